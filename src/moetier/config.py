@@ -1,0 +1,110 @@
+"""Frozen settings of an engine, one dataclass per concern, and budget parsing.
+
+Imports nothing else from the package except errors; holds no tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from moetier.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+
+Budget = str | int | float | None
+
+
+def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
+    """Turn "6GiB", "25%", 0.25-as-"25%" strings or a byte count into bytes.
+
+    None or "all" means everything (`total_bytes`). A fraction must be given with "%".
+    """
+    if budget is None:
+        return total_bytes
+    if isinstance(budget, bool):
+        raise ConfigError(f"{what}: expected bytes like '6GiB' or a fraction like '25%', got {budget!r}")
+    if isinstance(budget, int):
+        if budget < 0:
+            raise ConfigError(f"{what}: must not be negative, got {budget}")
+        return budget
+    if isinstance(budget, float):
+        raise ConfigError(
+            f"{what}: ambiguous float {budget!r}; write bytes ('6GiB', 1073741824) or a percentage "
+            f"('25%')"
+        )
+    text = str(budget).strip()
+    if text.lower() in ("all", "full", "100%"):
+        return total_bytes
+    match = _BUDGET_RE.match(text)
+    if not match:
+        raise ConfigError(
+            f"{what}: cannot parse {budget!r}; write bytes ('6GiB', '512MB', '1073741824') or a "
+            f"fraction of routed-expert bytes ('25%')"
+        )
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if number > 100:
+            raise ConfigError(f"{what}: {budget!r} is above 100%")
+        return int(total_bytes * number / 100)
+    if unit not in _UNITS:
+        raise ConfigError(
+            f"{what}: unknown unit {match.group(2)!r} in {budget!r}; use B, KB, MB, GB, KiB, MiB, GiB"
+        )
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes with binary units ("1.50 GiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where routed experts live: device slots, host RAM and the disk behind them."""
+
+    expert_budget: Budget = None  # device slots; None = every routed expert resident
+    host_budget: Budget = None  # host RAM tier; None = all routed experts (CUDA) / 0 (CPU)
+    policy: str = "lru"
+    pin_host_memory: bool = True  # only applies when the compute device is CUDA
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many sequences and tokens one engine step may hold."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start: model, device, dtype and the per-concern parts."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    progress: bool = True

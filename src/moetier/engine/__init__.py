@@ -1,0 +1,1 @@
+"""The engine: scheduler, KV cache, model runner, sampler, and the step loop."""

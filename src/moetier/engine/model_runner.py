@@ -1,0 +1,134 @@
+"""Loads a checkpoint into a family's model with tiered experts, and runs one batch forward.
+
+Owns the model, the KV cache and the expert tiers; knows nothing of scheduling policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import EngineConfig
+from moetier.engine.batch import SchedulerOutput
+from moetier.engine.kv_cache import KVCache
+from moetier.errors import CheckpointError, ConfigError
+from moetier.layers.context import ForwardContext, SeqSpan
+from moetier.layers.moe import moe_config
+from moetier.models.registry import get_family
+from moetier.offload.builder import TierPlan, build_tiers
+from moetier.offload.expert_cache import ExpertCache
+from moetier.offload.stats import OffloadStats
+from moetier.weights.checkpoint import Checkpoint
+from moetier.weights.experts import ExpertLayout
+from moetier.weights.loader import build_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {name!r}; use 'auto', 'cpu' or 'cuda[:N]'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported; use 'auto', 'cpu' or 'cuda[:N]'")
+    return device
+
+
+def resolve_dtype(name: str, config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU kernels are fastest and exact in float32
+    ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
+    if not (model_dir / "config.json").exists():
+        raise CheckpointError(f"{model_dir}: no config.json; is this a Hugging Face model directory?")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{model_dir}/config.json: cannot be read by transformers: {exc}") from exc
+
+
+def load_generation_config(model_dir: Path) -> Any | None:
+    if not (model_dir / "generation_config.json").exists():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(model_dir))
+    except (ValueError, OSError) as exc:
+        log.warning("%s/generation_config.json ignored: %s", model_dir, exc)
+        return None
+
+
+class ModelRunner:
+    """Runs the model over a flattened batch of scheduled tokens."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_dir = Path(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        family = get_family(self.hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.num_experts, self.top_k, _ = moe_config(self.hf_config)
+        self.checkpoint = Checkpoint(self.model_dir)
+        layout = ExpertLayout(self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts)
+        self.model = build_model(
+            family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
+        )
+        self.stats = OffloadStats()
+        self.expert_cache: ExpertCache
+        self.tier_plan: TierPlan
+        self.expert_cache, self.tier_plan = build_tiers(
+            layout, config.offload, self.device, self.dtype, self.top_k, self.stats, config.progress
+        )
+        for block in self.model.moe_blocks():
+            block.provider = self.expert_cache
+        self.kv_cache = KVCache(self.device, self.dtype)
+        self.generation_config = load_generation_config(self.model_dir)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Run the scheduled tokens; return float32 logits [N, V] for requests that sample."""
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        last_rows: list[int] = []
+        for s in batch.scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            chunk = r.all_token_ids[start : start + s.num_new_tokens]
+            spans.append(SeqSpan(r.request_id, len(ids), len(ids) + len(chunk), start))
+            ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            if s.samples:
+                last_rows.append(len(ids) - 1)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, ForwardContext(spans, pos, self.kv_cache))  # [T, D]
+        return self.model.compute_logits(hidden[last_rows])  # [N, V]
+
+    def free(self, request_id: int) -> None:
+        self.kv_cache.free(request_id)

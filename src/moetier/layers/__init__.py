@@ -1,0 +1,1 @@
+"""Building blocks of model families: attention, rotary, norms, dense MLP, MoE."""

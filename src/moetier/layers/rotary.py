@@ -1,0 +1,56 @@
+"""Rotary position embeddings (HF-compatible inverse frequencies, rotate-half application)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope settings as a dict with at least rope_type and rope_theta."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for `dim` rotary channels; non-default rope types use transformers' math."""
+
+    def __init__(self, config: Any, dim: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        if params["rope_type"] == "default":
+            base = float(params["rope_theta"])
+            arange = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+            inv_freq = 1.0 / (base ** (arange / dim))
+            self.scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+        # A plain attribute, not a buffer: models are built on the meta device and this table is
+        # computed, not loaded. Moved to the compute device on first use.
+        self.inv_freq = inv_freq.float().to("cpu")
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, dim] for int positions [T]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, d] rotated by cos/sin [T, d]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin

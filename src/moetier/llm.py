@@ -1,0 +1,123 @@
+"""Offline facade: LLM(model, ...).generate(prompts, params), vLLM-shaped.
+
+Owns tokenization of string prompts and the run-to-completion loop; the engine does the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import Budget, EngineConfig, OffloadConfig, SchedulerConfig
+from moetier.core import RequestOutput, SamplingParams
+from moetier.engine.engine import Engine
+from moetier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The checkpoint's tokenizer through transformers, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("no tokenizer in %s (%s); prompts must be token ids", model_dir, exc)
+        return None
+
+
+class LLM:
+    """Load a Hugging Face MoE checkpoint with tiered experts and generate from prompts."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        expert_budget: Budget = None,
+        host_budget: Budget = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        policy: str = "lru",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        progress: bool = True,
+    ) -> None:
+        if model is None:
+            from moetier.demo.builder import ensure_demo_model
+
+            model = ensure_demo_model(progress=progress)
+        self.config = EngineConfig(
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            offload=OffloadConfig(expert_budget, host_budget, policy),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            progress=progress,
+        )
+        self.tokenizer = load_tokenizer(model)
+        self.engine = Engine(self.config, self.tokenizer)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this checkpoint has no tokenizer: pass prompts as token id lists")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ConfigError("a prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts together as one batch; one RequestOutput per prompt, in order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        requests = [
+            self.engine.add_request(self._encode(p), params, p if isinstance(p, str) else None)
+            for p in prompts  # type: ignore[union-attr]
+        ]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self.engine.to_output(r) for r in requests]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        """Apply the checkpoint's chat template to `messages` and generate one reply."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = list(ids["input_ids"])
+        return self.generate([ids], params)[0]
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+        """Float32 logits [V] at the last prompt position (for parity checks); leaves no state."""
+        from moetier.core import Request
+        from moetier.engine.batch import ScheduledRequest, SchedulerOutput
+
+        ids = self._encode(prompt)
+        req = Request(-1, ids, SamplingParams(max_tokens=1))
+        try:
+            logits = self.engine.runner.execute(SchedulerOutput([ScheduledRequest(req, len(ids))]))
+        finally:
+            self.engine.runner.free(-1)
+        return logits[0].cpu()
+
+    def offload_stats(self) -> dict[str, float]:
+        """Counters of the expert tiers: hits by tier, bytes moved, exposed fetch time."""
+        stats = self.engine.runner.stats.to_dict()
+        plan = self.engine.runner.tier_plan
+        stats.update(device_slots=plan.device_slots, host_rows=plan.host_rows,
+                     total_experts=plan.total_experts, expert_bytes=plan.expert_bytes)
+        return stats

@@ -1,0 +1,1 @@
+"""Model families: a registry from HF architecture strings to family builders."""

@@ -1,0 +1,59 @@
+"""Registry of model families keyed by HF architecture string.
+
+A family says how to build the module tree and where its routed experts lie in the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moetier.errors import UnsupportedModelError
+from moetier.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family: the module tree and the checkpoint prefixes of routed experts."""
+
+    name: str
+    build: Callable[[Any], CausalLM]
+    # config -> {MoE layer index: candidate module prefixes holding `.experts`}
+    expert_prefixes: Callable[[Any], dict[int, list[str]]]
+    # (our substring, checkpoint substring) tried when a tensor is not found under our name
+    name_aliases: tuple[tuple[str, str], ...] = ()
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(*architectures: str) -> Callable[[Family], Family]:
+    def add(family: Family) -> Family:
+        for arch in architectures:
+            FAMILIES[arch] = family
+        return family
+
+    return add
+
+
+def _load_builtin() -> None:
+    # Importing a family module registers it.
+    from moetier.models import deepseek, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+
+
+def supported_architectures() -> list[str]:
+    _load_builtin()
+    return sorted(FAMILIES)
+
+
+def get_family(config: Any) -> Family:
+    _load_builtin()
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    raise UnsupportedModelError(
+        f"architecture {archs or getattr(config, 'model_type', '?')} is not supported; moetier "
+        f"supports: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,1 @@
+"""Expert tiers (disk, host, device slots), their policies, transfers and counters."""

@@ -1,0 +1,96 @@
+"""Turns budgets into tiers: how many device slots and host rows, and builds them.
+
+Owns the budget arithmetic and the "budget too small" errors; the tiers themselves live in
+store.py and expert_cache.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from moetier.config import OffloadConfig, format_bytes, parse_budget
+from moetier.errors import BudgetError
+from moetier.offload.expert_cache import ExpertCache
+from moetier.offload.stats import OffloadStats
+from moetier.offload.store import HostTier
+from moetier.offload.types import ExpertKey
+from moetier.weights.experts import ExpertLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Sizes decided from the budgets (bytes are in the compute dtype)."""
+
+    expert_bytes: int
+    total_experts: int
+    device_slots: int
+    host_rows: int
+
+    @property
+    def routed_bytes(self) -> int:
+        return self.expert_bytes * self.total_experts
+
+
+def plan_tiers(
+    layout: ExpertLayout, cfg: OffloadConfig, dtype: torch.dtype, top_k: int, device: torch.device
+) -> TierPlan:
+    expert_bytes = layout.shape.numel * torch.empty(0, dtype=dtype).element_size()
+    total = len(layout.layers) * layout.num_experts
+    routed = expert_bytes * total
+    slots = min(parse_budget(cfg.expert_budget, routed, "expert budget") // expert_bytes, total)
+    if slots < top_k:
+        raise BudgetError(
+            f"expert budget {cfg.expert_budget!r} gives {slots} expert slot(s) of "
+            f"{format_bytes(expert_bytes)}; one step needs at least top-k = {top_k} slots "
+            f"({format_bytes(top_k * expert_bytes)}, {100 * top_k / total:.2f}% of routed-expert "
+            f"bytes). Raise --expert-budget to at least that."
+        )
+    host_default = None if device.type == "cuda" else 0
+    host_budget = cfg.host_budget if cfg.host_budget is not None else host_default
+    host_rows = min(parse_budget(host_budget, routed, "host budget") // expert_bytes, total)
+    return TierPlan(expert_bytes, total, int(slots), int(host_rows))
+
+
+def build_tiers(
+    layout: ExpertLayout,
+    cfg: OffloadConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    top_k: int,
+    stats: OffloadStats,
+    progress: bool = True,
+) -> tuple[ExpertCache, TierPlan]:
+    plan = plan_tiers(layout, cfg, dtype, top_k, device)
+    pin = cfg.pin_host_memory and device.type == "cuda"
+    host = HostTier(layout, plan.host_rows, dtype, pin, stats, progress)
+    cache = ExpertCache(host, layout.shape, plan.device_slots, device, dtype, stats, cfg.policy)
+    if plan.device_slots == plan.total_experts:
+        _preload_all(cache, layout, progress)
+        stats.reset()
+    log.info(
+        "expert tiers: %d/%d experts in device slots (%s), %d in host RAM, %s routed in all",
+        plan.device_slots,
+        plan.total_experts,
+        format_bytes(cache.bytes),
+        plan.host_rows,
+        format_bytes(plan.routed_bytes),
+    )
+    return cache, plan
+
+
+def _preload_all(cache: ExpertCache, layout: ExpertLayout, progress: bool) -> None:
+    """Every expert fits: fill all slots now so no step waits for a load."""
+    bar = tqdm(layout.layers, desc="Placing experts on device", unit="layer", disable=not progress)
+    for layer in bar:
+        for e in range(layout.num_experts):
+            batch = cache.fetch(layer, [e])
+            cache.release(batch)
+    if cache.cuda:
+        torch.cuda.synchronize(cache.device)
+    assert all(ExpertKey(la, 0) in cache.slot_of for la in layout.layers)

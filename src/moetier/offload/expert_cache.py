@@ -1,0 +1,143 @@
+"""Device tier: a fixed pool of expert slots, filled on demand from the host tier.
+
+Owns slot tensors, the key->slot map and the slot policy; implements ExpertProvider. Never reads
+files itself (the host tier does) and never decides what to compute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moetier.offload.policy import make_policy
+from moetier.offload.stats import OffloadStats
+from moetier.offload.store import HostTier
+from moetier.offload.transfer import TransferEngine
+from moetier.offload.types import ExpertBatch, ExpertKey
+from moetier.weights.experts import ExpertShape
+
+
+class ExpertCache:
+    """`num_slots` device slots of packed experts; misses are fetched on demand (LRU by default)."""
+
+    def __init__(
+        self,
+        host: HostTier,
+        shape: ExpertShape,
+        num_slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        stats: OffloadStats,
+        policy: str = "lru",
+    ) -> None:
+        self.host = host
+        self.shape = shape
+        self.device = device
+        self.stats = stats
+        self.num_slots = num_slots
+        self.slots = torch.empty(num_slots, shape.numel, dtype=dtype, device=device)
+        self.slot_of: dict[ExpertKey, int] = {}
+        self.key_of: dict[int, ExpertKey] = {}
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.policy = make_policy(policy)
+        self.transfer = TransferEngine(device)
+        self.cuda = device.type == "cuda"
+        self.slot_free_event: dict[int, torch.cuda.Event] = {}  # last compute use of a slot
+
+    @property
+    def max_batch(self) -> int:
+        return self.num_slots
+
+    @property
+    def bytes(self) -> int:
+        return self.slots.numel() * self.slots.element_size()
+
+    def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
+        assert len(experts) <= self.num_slots, "caller must split experts into waves of max_batch"
+        keys = [ExpertKey(layer, e) for e in experts]
+        in_use = set(keys)
+        events: list[torch.cuda.Event] = []
+        slots: list[int] = []
+        start = time.perf_counter()
+        missed = False
+        for key in keys:
+            self.stats.requests += 1
+            slot = self.slot_of.get(key)
+            if slot is not None:
+                self.stats.device_hits += 1
+                self.policy.touch(key)
+            else:
+                missed = True
+                slot, event = self._load(key, in_use)
+                if event is not None:
+                    events.append(event)
+            slots.append(slot)
+        if self.cuda and events:
+            self._wait_measured(events)
+        elif missed:
+            self.stats.exposed_fetch_s += time.perf_counter() - start
+        pairs = [self.shape.split(self.slots[s]) for s in slots]
+        return ExpertBatch(layer, experts, [p[0] for p in pairs], [p[1] for p in pairs], slots)
+
+    def release(self, batch: ExpertBatch) -> None:
+        if not self.cuda:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        for s in batch.slots:
+            self.slot_free_event[s] = done
+
+    def _load(self, key: ExpertKey, in_use: set[ExpertKey]) -> tuple[int, torch.cuda.Event | None]:
+        slot = self._claim_slot(in_use)
+        dst = self.slots[slot]
+        src = self.host.lookup(key)
+        if src is not None:
+            self.stats.host_hits += 1
+            row = self.host.row_of(key)
+        elif not self.cuda:
+            self.host.read_direct(key, dst)
+            self._install(key, slot)
+            return slot, None
+        else:
+            src, row = self.host.read(key)
+        event = self.transfer.copy(dst, src, after=self.slot_free_event.pop(slot, None))
+        self.host.mark_in_flight(key, row, event)
+        self.stats.bytes_host_to_device += src.numel() * src.element_size()
+        self._install(key, slot)
+        return slot, event
+
+    def _install(self, key: ExpertKey, slot: int) -> None:
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        self.policy.insert(key)
+
+    def _claim_slot(self, in_use: set[ExpertKey]) -> int:
+        if self.free:
+            return self.free.pop()
+        victim = self.policy.victim(exclude=in_use)
+        self.policy.remove(victim)
+        slot = self.slot_of.pop(victim)  # type: ignore[arg-type]
+        del self.key_of[slot]
+        self.stats.evictions += 1
+        return slot
+
+    def _wait_measured(self, events: list[torch.cuda.Event]) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self.transfer.wait(events)
+        end.record(stream)
+        self.stats.add_exposed_events(start, end)
+
+    def resident(self) -> list[ExpertKey]:
+        """Resident keys, next victim first (for tests and debugging)."""
+        return [k for k in getattr(self.policy, "order", lambda: [])() if k in self.slot_of]
+
+    def check_integrity(self) -> None:
+        assert len(self.slot_of) == len(self.key_of)
+        for key, slot in self.slot_of.items():
+            assert self.key_of[slot] == key
+        assert not set(self.key_of) & set(self.free), "a used slot is also free"
+        assert len(self.key_of) + len(self.free) == self.num_slots

@@ -1,0 +1,1 @@
+"""Checkpoint reading: safetensors headers, tensors by offset, expert layouts."""
