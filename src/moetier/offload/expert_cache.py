@@ -95,7 +95,7 @@ class ExpertCache:
         if src is not None:
             self.stats.host_hits += 1
             row = self.host.row_of(key)
-        elif not self.cuda:
+        elif not self.cuda and not self.host.capacity:
             self.host.read_direct(key, dst)
             self._install(key, slot)
             return slot, None

@@ -1,0 +1,120 @@
+"""Shared harness for family parity tests: tiny HF checkpoints and reference generation.
+
+Every family test builds a tiny random checkpoint with transformers itself and compares
+moetier's greedy tokens and logits with transformers' on the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from moetier import LLM, SamplingParams
+
+PROMPTS: list[list[int]] = [
+    [1, 5, 9, 33, 100, 7],
+    [7, 8, 9],
+    [200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 250, 17],
+]
+NEW_TOKENS = 32
+
+
+def make_checkpoint(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random `model_type` checkpoint (float32, per-expert layout) to `path`."""
+    config = AutoConfig.for_model(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.save_pretrained(path)
+    return path
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Spread every weight so routing and outputs are far from ties (HF init is tiny)."""
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / max(p.shape[-1], 1) ** 0.5))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def fuse_experts(path: Path) -> None:
+    """Rewrite a single-file checkpoint into the fused `experts.gate_up_proj`/`down_proj` layout."""
+    tensors = load_file(str(path / "model.safetensors"))
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[_ROLE[m.group(3)]] = t
+        else:
+            out[name] = t
+    for prefix, experts in groups.items():
+        ids = sorted(experts)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate"], experts[e]["up"]], dim=0) for e in ids]
+        ).contiguous()
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in ids]).contiguous()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_last_logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt], device=model.device)).logits[0, -1].float().cpu()
+
+
+def min_budget(path: Path, dtype_bytes: int = 4) -> str:
+    """The smallest expert budget moetier accepts for this checkpoint: top-k slots, in bytes."""
+    cfg = json.loads((path / "config.json").read_text())
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return f"{cfg['num_experts_per_tok'] * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
+
+
+def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_parity(path: Path, expert_budget: Any, host_budget: Any = None, device: str = "cpu",
+                 prompts: list[list[int]] = PROMPTS) -> dict[str, float]:
+    """Assert moetier == transformers token for token (and logits close); return offload stats."""
+    ref = hf_model(path)
+    llm = LLM(str(path), expert_budget=expert_budget, host_budget=host_budget, device=device,
+              dtype="float32", progress=False)
+    got = moetier_greedy(llm, prompts)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(ref, prompt), f"token mismatch for prompt {prompt}"
+    for prompt in prompts:
+        torch.testing.assert_close(llm.prompt_logits(prompt), hf_last_logits(ref, prompt),
+                                   rtol=1e-4, atol=1e-4)
+    llm.engine.runner.expert_cache.check_integrity()
+    return llm.offload_stats()
