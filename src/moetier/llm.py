@@ -29,7 +29,8 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as exc:
-        log.warning("no tokenizer in %s (%s); prompts must be token ids", model_dir, exc)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("no usable tokenizer in %s (%s); prompts must be token ids", model_dir, reason)
         return None
 
 

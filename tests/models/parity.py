@@ -118,3 +118,26 @@ def check_parity(path: Path, expert_budget: Any, host_budget: Any = None, device
                                    rtol=1e-4, atol=1e-4)
     llm.engine.runner.expert_cache.check_integrity()
     return llm.offload_stats()
+
+
+TOKENIZER_TEXT = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Mixture of experts models route each token to a few experts.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+]
+
+
+def add_tokenizer(path: Path, vocab_size: int = 240) -> None:
+    """Train a tiny byte-level BPE tokenizer (offline) and save it beside the checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(path)

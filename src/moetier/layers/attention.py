@@ -50,10 +50,18 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional q/k bias and q/k norms.
 
     qk_norm: None, "head" (per-head RMSNorm, Qwen3) or "full" (RMSNorm over the whole
-    projection, OLMoE).
+    projection, OLMoE). bias applies to q/k/v; o_bias to o_proj (Qwen3-MoE and OLMoE bias all four
+    under `attention_bias`, Qwen2-MoE only q/k/v).
     """
 
-    def __init__(self, config: Any, layer: int, bias: bool = False, qk_norm: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer: int,
+        bias: bool = False,
+        qk_norm: str | None = None,
+        o_bias: bool = False,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
@@ -63,7 +71,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
@@ -76,10 +84,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.clip_qkv is not None:
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            # After the full-projection norms, as OLMoE does (it clamps the normed q/k).
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         q = q.view(t, self.n_heads, self.head_dim)  # [T, H, d]
         k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, d]
         v = v.view(t, self.n_kv, self.head_dim)

@@ -1,0 +1,7 @@
+"""`python -m moetier` runs the command line."""
+
+import sys
+
+from moetier.cli import main
+
+sys.exit(main())

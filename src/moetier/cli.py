@@ -1,0 +1,122 @@
+"""Command line: `moetier generate | routing-stats | serve` — argument parsing only.
+
+Each subcommand hands off to the library; errors a user can fix print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from moetier.config import format_bytes
+from moetier.errors import MoetierError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in demo model)")
+    p.add_argument("--expert-budget", default=None,
+                   help="device slots for routed experts: bytes ('6GiB') or a share ('25%%'); "
+                        "default: all")
+    p.add_argument("--host-budget", default=None,
+                   help="host RAM for routed experts; below the routed bytes means disk reads "
+                        "(default: all on CUDA, none on CPU)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--policy", default="lru", help="expert-cache policy (lru, lfu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetier", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from one prompt")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", default="What is the capital of France?")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true",
+                     help="send the prompt as raw text instead of through the chat template")
+    gen.set_defaults(func=cmd_generate)
+    rs = sub.add_parser("routing-stats", help="per-layer expert reuse and popularity over prompts")
+    rs.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    rs.add_argument("--prompts-file", default=None, help="one prompt per line (default: built-in)")
+    rs.add_argument("--max-new-tokens", type=int, default=32)
+    rs.set_defaults(func=cmd_routing_stats)
+    demo = sub.add_parser("build-demo", help="build (once) and print the demo model's directory")
+    demo.set_defaults(func=cmd_build_demo)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moetier import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(args.model, expert_budget=args.expert_budget, host_budget=args.host_budget,
+              device=args.device, dtype=args.dtype, policy=args.policy, seed=args.seed or 0)
+    load_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
+    start = time.perf_counter()
+    if has_template and not args.no_chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    gen_s = time.perf_counter() - start
+    print(out.outputs[0].text)
+    print(summary_line(len(out.outputs[0].token_ids), gen_s, load_s, llm.offload_stats()),
+          file=sys.stderr)
+    return 0
+
+
+def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, float]) -> str:
+    moved = s["bytes_disk_to_host"] + s["bytes_host_to_device"]
+    return (
+        f"[moetier] {n_tokens} tokens in {gen_s:.2f} s ({n_tokens / max(gen_s, 1e-9):.2f} tok/s, "
+        f"load {load_s:.1f} s) | experts: {int(s['device_slots'])}/{int(s['total_experts'])} "
+        f"slots, hits device {s['device_hit_rate']:.1%} host {s['host_hit_rate']:.1%} "
+        f"disk {s['disk_read_rate']:.1%} | moved {format_bytes(moved)} "
+        f"(disk->host {format_bytes(s['bytes_disk_to_host'])}, host->device "
+        f"{format_bytes(s['bytes_host_to_device'])}) | exposed fetch {s['exposed_fetch_s']:.3f} s"
+    )
+
+
+def cmd_routing_stats(args: argparse.Namespace) -> int:
+    from moetier.bench.routing import run_routing_stats
+
+    prompts = None
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    print(run_routing_stats(args.model, prompts, args.max_new_tokens))
+    return 0
+
+
+def cmd_build_demo(args: argparse.Namespace) -> int:
+    from moetier.demo.builder import ensure_demo_model
+
+    print(ensure_demo_model())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except MoetierError as exc:
+        print(f"moetier: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
