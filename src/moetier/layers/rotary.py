@@ -31,7 +31,10 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+            # Models are built under torch.device("meta"); transformers' rope math creates some
+            # tensors without a device, so pin the default device to compute real values.
+            with torch.device("cpu"):
+                inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
         # A plain attribute, not a buffer: models are built on the meta device and this table is
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")

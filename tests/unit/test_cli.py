@@ -1,0 +1,49 @@
+"""The `moetier generate` command on a checkpoint the tests build (with a tiny tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moetier import LLM, SamplingParams
+from moetier.cli import main
+from tests.models.parity import add_tokenizer, make_checkpoint
+
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_checkpoint(tmp_path_factory.mktemp("cli"), "mixtral", **TINY)
+    add_tokenizer(path)
+    return path
+
+
+def test_generate_prints_text_and_summary(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(ckpt), "--prompt", "Hello world", "--max-tokens", "6",
+               "--expert-budget", "50%", "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    llm = LLM(str(ckpt), expert_budget="50%", device="cpu", dtype="float32", progress=False)
+    ref = llm.generate("Hello world", SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out == ref.outputs[0].text + "\n"
+    assert "[moetier] 6 tokens in" in err and "4/8 slots" in err and "exposed fetch" in err
+
+
+def test_generate_bad_budget_exits_2(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["generate", "--model", str(ckpt), "--expert-budget", "ten", "--device", "cpu"])
+    assert rc == 2
+    assert "moetier: error: expert budget: cannot parse 'ten'" in capsys.readouterr().err
+
+
+def test_stop_string_cuts_text(ckpt: Path) -> None:
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", progress=False)
+    full = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    text = full.outputs[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+    assert cut.outputs[0].text == text[: text.find(stop)]
+    assert cut.outputs[0].finish_reason == "stop"
