@@ -15,14 +15,22 @@ from moetier.errors import MoetierError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: the built-in demo model)")
-    p.add_argument("--expert-budget", default=None,
-                   help="device slots for routed experts: bytes ('6GiB') or a share ('25%%'); "
-                        "default: all")
-    p.add_argument("--host-budget", default=None,
-                   help="host RAM for routed experts; below the routed bytes means disk reads "
-                        "(default: all on CUDA, none on CPU)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory (default: the built-in demo model)",
+    )
+    p.add_argument(
+        "--expert-budget",
+        default=None,
+        help="device slots for routed experts: bytes ('6GiB') or a share ('25%%'); default: all",
+    )
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        help="host RAM for routed experts; below the routed bytes means disk reads "
+        "(default: all on CUDA, none on CPU)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--policy", default="lru", help="expert-cache policy (lru, lfu)")
@@ -40,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--no-chat", action="store_true",
-                     help="send the prompt as raw text instead of through the chat template")
+    gen.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="send the prompt as raw text instead of through the chat template",
+    )
     gen.set_defaults(func=cmd_generate)
     rs = sub.add_parser("routing-stats", help="per-layer expert reuse and popularity over prompts")
     rs.add_argument("--model", default=None, help="model directory (default: the demo model)")
@@ -57,11 +68,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from moetier import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(args.model, expert_budget=args.expert_budget, host_budget=args.host_budget,
-              device=args.device, dtype=args.dtype, policy=args.policy, seed=args.seed or 0)
+    llm = LLM(
+        args.model,
+        expert_budget=args.expert_budget,
+        host_budget=args.host_budget,
+        device=args.device,
+        dtype=args.dtype,
+        policy=args.policy,
+        seed=args.seed or 0,
+    )
     load_s = time.perf_counter() - start
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
     start = time.perf_counter()
     if has_template and not args.no_chat:
@@ -70,8 +93,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], params)[0]
     gen_s = time.perf_counter() - start
     print(out.outputs[0].text)
-    print(summary_line(len(out.outputs[0].token_ids), gen_s, load_s, llm.offload_stats()),
-          file=sys.stderr)
+    print(
+        summary_line(len(out.outputs[0].token_ids), gen_s, load_s, llm.offload_stats()),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -107,8 +132,10 @@ def cmd_build_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.func(args))
     except MoetierError as exc:

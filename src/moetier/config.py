@@ -39,7 +39,9 @@ def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
     if budget is None:
         return total_bytes
     if isinstance(budget, bool):
-        raise ConfigError(f"{what}: expected bytes like '6GiB' or a fraction like '25%', got {budget!r}")
+        raise ConfigError(
+            f"{what}: expected bytes like '6GiB' or a fraction like '25%', got {budget!r}"
+        )
     if isinstance(budget, int):
         if budget < 0:
             raise ConfigError(f"{what}: must not be negative, got {budget}")
@@ -65,7 +67,8 @@ def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
         return int(total_bytes * number / 100)
     if unit not in _UNITS:
         raise ConfigError(
-            f"{what}: unknown unit {match.group(2)!r} in {budget!r}; use B, KB, MB, GB, KiB, MiB, GiB"
+            f"{what}: unknown unit {match.group(2)!r} in {budget!r}; "
+            f"use B, KB, MB, GB, KiB, MiB, GiB"
         )
     return int(number * _UNITS[unit])
 

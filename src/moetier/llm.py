@@ -69,7 +69,9 @@ class LLM:
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ConfigError("this checkpoint has no tokenizer: pass prompts as token id lists")
+                raise ConfigError(
+                    "this checkpoint has no tokenizer: pass prompts as token id lists"
+                )
             return list(self.tokenizer.encode(prompt))
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ConfigError("a prompt must be a string or a list of token ids")
@@ -82,21 +84,32 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts together as one batch; one RequestOutput per prompt, in order."""
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        # Encode and check every prompt before queueing any, so a bad one leaves nothing behind.
+        encoded = [self._encode(p) for p in batch]
+        for ids in encoded:
+            self.engine.check_prompt(ids)
         requests = [
-            self.engine.add_request(self._encode(p), params, p if isinstance(p, str) else None)
-            for p in prompts  # type: ignore[union-attr]
+            self.engine.add_request(ids, params, p if isinstance(p, str) else None)
+            for p, ids in zip(batch, encoded)
         ]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self.engine.to_output(r) for r in requests]
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> RequestOutput:
         """Apply the checkpoint's chat template to `messages` and generate one reply."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])
         return self.generate([ids], params)[0]
@@ -119,6 +132,10 @@ class LLM:
         """Counters of the expert tiers: hits by tier, bytes moved, exposed fetch time."""
         stats = self.engine.runner.stats.to_dict()
         plan = self.engine.runner.tier_plan
-        stats.update(device_slots=plan.device_slots, host_rows=plan.host_rows,
-                     total_experts=plan.total_experts, expert_bytes=plan.expert_bytes)
+        stats.update(
+            device_slots=plan.device_slots,
+            host_rows=plan.host_rows,
+            total_experts=plan.total_experts,
+            expert_bytes=plan.expert_bytes,
+        )
         return stats

@@ -50,7 +50,14 @@ def _randomize(model: torch.nn.Module) -> None:
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_ROLE = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 def fuse_experts(path: Path) -> None:
@@ -104,18 +111,30 @@ def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> l
     return [o.outputs[0].token_ids for o in outs]
 
 
-def check_parity(path: Path, expert_budget: Any, host_budget: Any = None, device: str = "cpu",
-                 prompts: list[list[int]] = PROMPTS) -> dict[str, float]:
+def check_parity(
+    path: Path,
+    expert_budget: Any,
+    host_budget: Any = None,
+    device: str = "cpu",
+    prompts: list[list[int]] = PROMPTS,
+) -> dict[str, float]:
     """Assert moetier == transformers token for token (and logits close); return offload stats."""
     ref = hf_model(path)
-    llm = LLM(str(path), expert_budget=expert_budget, host_budget=host_budget, device=device,
-              dtype="float32", progress=False)
+    llm = LLM(
+        str(path),
+        expert_budget=expert_budget,
+        host_budget=host_budget,
+        device=device,
+        dtype="float32",
+        progress=False,
+    )
     got = moetier_greedy(llm, prompts)
     for prompt, tokens in zip(prompts, got):
         assert tokens == hf_greedy(ref, prompt), f"token mismatch for prompt {prompt}"
     for prompt in prompts:
-        torch.testing.assert_close(llm.prompt_logits(prompt), hf_last_logits(ref, prompt),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            llm.prompt_logits(prompt), hf_last_logits(ref, prompt), rtol=1e-4, atol=1e-4
+        )
     llm.engine.runner.expert_cache.check_integrity()
     return llm.offload_stats()
 
@@ -136,8 +155,11 @@ def add_tokenizer(path: Path, vocab_size: int = 240) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TOKENIZER_TEXT, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(path)

@@ -9,8 +9,14 @@ import pytest
 from tests.models.parity import check_parity, fuse_experts, make_checkpoint, min_budget
 
 TINY = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=256,
     max_position_embeddings=256,
 )
 
@@ -44,3 +50,29 @@ def test_parity_host_tier_below_routed_bytes(ckpt: Path) -> None:
 @pytest.mark.parametrize("budget", [None, "min"])
 def test_parity_fused_layout(fused_ckpt: Path, budget: str | None) -> None:
     check_parity(fused_ckpt, min_budget(fused_ckpt) if budget == "min" else budget)
+
+
+def test_batch_of_different_lengths_equals_each_alone(ckpt: Path) -> None:
+    from moetier import LLM
+    from tests.models.parity import PROMPTS, moetier_greedy
+
+    llm = LLM(str(ckpt), expert_budget="50%", device="cpu", dtype="float32", progress=False)
+    together = moetier_greedy(llm, PROMPTS)
+    alone = [moetier_greedy(llm, [p])[0] for p in PROMPTS]
+    assert together == alone
+
+
+def test_chunked_prefill_equals_whole_prefill(ckpt: Path) -> None:
+    from moetier import LLM
+    from tests.models.parity import PROMPTS, moetier_greedy
+
+    whole = LLM(str(ckpt), device="cpu", dtype="float32", progress=False)
+    chunked = LLM(
+        str(ckpt),
+        expert_budget="25%",
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=4,
+        progress=False,
+    )
+    assert moetier_greedy(chunked, PROMPTS) == moetier_greedy(whole, PROMPTS)

@@ -10,8 +10,16 @@ from moetier import LLM, SamplingParams
 from moetier.cli import main
 from tests.models.parity import add_tokenizer, make_checkpoint
 
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=256)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +30,23 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_generate_prints_text_and_summary(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["generate", "--model", str(ckpt), "--prompt", "Hello world", "--max-tokens", "6",
-               "--expert-budget", "50%", "--device", "cpu", "--dtype", "float32"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(ckpt),
+            "--prompt",
+            "Hello world",
+            "--max-tokens",
+            "6",
+            "--expert-budget",
+            "50%",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     out, err = capsys.readouterr()
     llm = LLM(str(ckpt), expert_budget="50%", device="cpu", dtype="float32", progress=False)

@@ -13,8 +13,16 @@ from moetier import LLM, SamplingParams
 from moetier.errors import BudgetError, CheckpointError, ConfigError, UnsupportedModelError
 from tests.models.parity import make_checkpoint
 
-TINY = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=32)
+TINY = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=32,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,9 @@ def test_truncated_file_says_truncated(good: Path, tmp_path: Path) -> None:
     path = _copy(good, tmp_path)
     f = path / "model.safetensors"
     os.truncate(f, f.stat().st_size - 100)
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* the file is truncated"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: tensor .* the file is truncated"
+    ):
         _llm(path)
 
 
@@ -90,9 +100,16 @@ def test_bad_device_dtype_and_prompts(good: Path) -> None:
     with pytest.raises(ConfigError, match=r"out of range \[0, 32\)"):
         llm.generate([[1, 2, 99]])
     with pytest.raises(ConfigError, match="empty"):
-        llm.generate([[]])
+        llm.generate([[1, 2], []])
+    assert not llm.engine.has_unfinished()  # the good prompt of a rejected batch was not queued
     with pytest.raises(ConfigError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     # the engine is still usable after rejected requests
-    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0]
-               .outputs[0].token_ids) == 2
+    assert (
+        len(
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 2
+    )

@@ -19,8 +19,16 @@ from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
 from tests.models.parity import make_checkpoint
 
-TINY = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=32)
+TINY = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=32,
+)
 CPU = torch.device("cpu")
 
 
@@ -93,8 +101,9 @@ def test_returned_weights_are_the_experts(layout: ExpertLayout) -> None:
 def test_budget_below_top_k_says_minimum(layout: ExpertLayout) -> None:
     with pytest.raises(BudgetError, match=r"at least top-k = 2 slots \(9.00 KiB"):
         plan_tiers(layout, OffloadConfig(expert_budget="2KiB"), torch.float32, 2, CPU)
-    plan = plan_tiers(layout, OffloadConfig(expert_budget="50%", host_budget="25%"),
-                      torch.float32, 2, CPU)
+    plan = plan_tiers(
+        layout, OffloadConfig(expert_budget="50%", host_budget="25%"), torch.float32, 2, CPU
+    )
     assert (plan.device_slots, plan.host_rows, plan.total_experts) == (4, 2, 8)
     cpu_default = plan_tiers(layout, OffloadConfig(), torch.float32, 2, CPU)
     assert (cpu_default.device_slots, cpu_default.host_rows) == (8, 0)

@@ -28,22 +28,25 @@ class Engine:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config.scheduler)
         self.sampler = Sampler(config.seed)
-        self.stopping = StopChecker(
-            tokenizer, self.runner.hf_config, self.runner.generation_config
-        )
+        self.stopping = StopChecker(tokenizer, self.runner.hf_config, self.runner.generation_config)
         self._ids = itertools.count()
         self.vocab_size = int(self.runner.hf_config.vocab_size)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> Request:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> Request:
+        self.check_prompt(prompt_token_ids)
+        req = Request(next(self._ids), list(prompt_token_ids), params, prompt)
+        self.scheduler.add(req)
+        return req
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ConfigError for an empty prompt or token ids outside the vocabulary."""
         if not prompt_token_ids:
             raise ConfigError("prompt is empty: give at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        req = Request(next(self._ids), list(prompt_token_ids), params, prompt)
-        self.scheduler.add(req)
-        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -73,5 +76,7 @@ class Engine:
         return finished
 
     def to_output(self, req: Request) -> RequestOutput:
-        completion = CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason)
+        completion = CompletionOutput(
+            0, req.output_text, list(req.output_token_ids), req.finish_reason
+        )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion])

@@ -12,7 +12,9 @@ import torch
 class KVCache:
     """k/v history per (layer, sequence); `append` returns views of the whole history."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, initial_capacity: int = 64) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, initial_capacity: int = 64
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.initial = initial_capacity
@@ -36,7 +38,9 @@ class KVCache:
         self._len[key] = need
         return self._k[key][:need], self._v[key][:need]
 
-    def _grow(self, key: tuple[int, int], cap: int, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+    def _grow(
+        self, key: tuple[int, int], cap: int, k: torch.Tensor, v: torch.Tensor, n: int
+    ) -> None:
         new_k = torch.empty(cap, *k.shape[1:], device=self.device, dtype=k.dtype)
         new_v = torch.empty(cap, *v.shape[1:], device=self.device, dtype=v.dtype)
         if n:

@@ -27,9 +27,15 @@ from moetier.weights.loader import build_model
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,13 +69,17 @@ def load_hf_config(model_dir: Path) -> Any:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
     if not (model_dir / "config.json").exists():
-        raise CheckpointError(f"{model_dir}: no config.json; is this a Hugging Face model directory?")
+        raise CheckpointError(
+            f"{model_dir}: no config.json; is this a Hugging Face model directory?"
+        )
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as exc:
-        raise CheckpointError(f"{model_dir}/config.json: cannot be read by transformers: {exc}") from exc
+        raise CheckpointError(
+            f"{model_dir}/config.json: cannot be read by transformers: {exc}"
+        ) from exc
 
 
 def load_generation_config(model_dir: Path) -> Any | None:
@@ -95,7 +105,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.num_experts, self.top_k, _ = moe_config(self.hf_config)
         self.checkpoint = Checkpoint(self.model_dir)
-        layout = ExpertLayout(self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts)
+        layout = ExpertLayout(
+            self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts
+        )
         self.model = build_model(
             family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
         )

@@ -14,7 +14,9 @@ class Sampler:
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]
+    ) -> list[int]:
         """logits [N, V] float32 -> one token id per row."""
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         out = [0] * len(params)

@@ -31,7 +31,9 @@ def attend(
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     groups = q.shape[1] // k.shape[1]
     for span in ctx.spans:
-        k_all, v_all = ctx.kv.append(layer, span.seq_id, k[span.start : span.end], v[span.start : span.end])
+        k_all, v_all = ctx.kv.append(
+            layer, span.seq_id, k[span.start : span.end], v[span.start : span.end]
+        )
         qs = q[span.start : span.end].transpose(0, 1)  # [H, q, dk]
         ks = k_all.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, L, dk]
         vs = v_all.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, L, dv]

@@ -18,7 +18,7 @@ class KVStore(Protocol):
     def append(
         self, layer: int, seq_id: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k [q, Hkv, Dk], v [q, Hkv, Dv]; return the full k, v [L, Hkv, D*] of the sequence."""
+        """Append k [q, Hkv, Dk], v [q, Hkv, Dv]; return the sequence's k, v [L, Hkv, D*]."""
         ...
 
 

@@ -19,7 +19,7 @@ from moetier.offload.types import ExpertProvider
 
 
 class SoftmaxTopKRouter(nn.Module):
-    """Softmax over expert logits (float32), top-k, optionally renormalized (Mixtral, Qwen, OLMoE)."""
+    """Softmax over expert logits in float32, top-k, optionally renormalized (Mixtral, Qwen)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool) -> None:
         super().__init__()
@@ -83,8 +83,11 @@ class MoEBlock(nn.Module):
 
 def moe_config(config: Any) -> tuple[int, int, int]:
     """(num_experts, top_k, expert intermediate size) from an HF config of any supported family."""
-    e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if e is None:
-        e = getattr(config, "n_routed_experts", None)
+    e = (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
+    assert e is not None, "config names no expert count"
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     return int(e), int(config.num_experts_per_tok), int(inter)

@@ -39,7 +39,9 @@ class RotaryEmbedding(nn.Module):
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, dim] for int positions [T]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)

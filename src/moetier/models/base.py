@@ -7,6 +7,7 @@ so non-expert weights load by name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from moetier.layers.norm import RMSNorm
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP or MoE (named as in the checkpoint)."""
 
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp") -> None:
+    def __init__(
+        self, config: Any, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp_name = mlp_name
@@ -34,7 +37,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, layers: list[nn.Module]) -> None:
+    def __init__(self, config: Any, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
@@ -44,7 +47,7 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """model.{embed_tokens, layers, norm} + lm_head, over a flattened batch of T tokens."""
 
-    def __init__(self, config: Any, layers: list[nn.Module]) -> None:
+    def __init__(self, config: Any, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, layers)

@@ -27,4 +27,6 @@ def expert_prefixes(config: Any) -> dict[int, list[str]]:
     }
 
 
-FAMILY = register("MixtralForCausalLM")(Family("mixtral", build, expert_prefixes, ((".block_sparse_moe.", ".mlp."),)))
+FAMILY = register("MixtralForCausalLM")(
+    Family("mixtral", build, expert_prefixes, ((".block_sparse_moe.", ".mlp."),))
+)

@@ -54,6 +54,6 @@ def get_family(config: Any) -> Family:
         if arch in FAMILIES:
             return FAMILIES[arch]
     raise UnsupportedModelError(
-        f"architecture {archs or getattr(config, 'model_type', '?')} is not supported; moetier "
+        f"architecture {archs or [getattr(config, 'model_type', '?')]} is not supported; moetier "
         f"supports: {', '.join(supported_architectures())}"
     )

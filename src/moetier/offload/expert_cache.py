@@ -117,7 +117,7 @@ class ExpertCache:
             return self.free.pop()
         victim = self.policy.victim(exclude=in_use)
         self.policy.remove(victim)
-        slot = self.slot_of.pop(victim)  # type: ignore[arg-type]
+        slot = self.slot_of.pop(victim)
         del self.key_of[slot]
         self.stats.evictions += 1
         return slot

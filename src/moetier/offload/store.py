@@ -53,7 +53,9 @@ class HostTier:
         return self.pool.numel() * self.pool.element_size() if self.capacity else 0
 
     def _preload(self, progress: bool) -> None:
-        keys = [ExpertKey(la, e) for la in self.layout.layers for e in range(self.layout.num_experts)]
+        keys = [
+            ExpertKey(la, e) for la in self.layout.layers for e in range(self.layout.num_experts)
+        ]
         bar = tqdm(keys, desc="Loading experts into RAM", unit="expert", disable=not progress)
         for key in bar:
             row = self.free.pop()
@@ -69,8 +71,10 @@ class HostTier:
         self.policy.touch(key)
         return self.pool[row]
 
-    def read(self, key: ExpertKey, row_busy: torch.cuda.Event | None = None) -> tuple[torch.Tensor, int]:
-        """Read `key` from disk into a host row (cached if capacity allows); return (row, row_id)."""
+    def read(
+        self, key: ExpertKey, row_busy: torch.cuda.Event | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Read `key` from disk into a host row (kept if capacity allows); return (row, row_id)."""
         row = self._claim_row(key)
         self._wait_row(row)
         start = time.perf_counter()
@@ -91,7 +95,9 @@ class HostTier:
         self.stats.disk_reads += 1
         self.stats.bytes_disk_to_host += nbytes
 
-    def mark_in_flight(self, key: ExpertKey | None, row: int, event: torch.cuda.Event | None) -> None:
+    def mark_in_flight(
+        self, key: ExpertKey | None, row: int, event: torch.cuda.Event | None
+    ) -> None:
         """An async copy reads host row `row` until `event` completes."""
         if event is not None:
             self.in_flight[row] = event
@@ -109,7 +115,7 @@ class HostTier:
         victim = self.policy.victim()
         self.policy.remove(victim)
         self.stats.host_evictions += 1
-        return self.index.pop(victim)  # type: ignore[arg-type]
+        return self.index.pop(victim)
 
     def _wait_row(self, row: int) -> None:
         event = self.in_flight.pop(row, None)

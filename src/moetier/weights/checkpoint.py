@@ -102,7 +102,8 @@ class Checkpoint:
             missing = [f for f in files if not (self.model_dir / f).exists()]
             if missing:
                 raise CheckpointError(
-                    f"{self.model_dir}: shard(s) listed in model.safetensors.index.json are missing: "
+                    f"{self.model_dir}: shard(s) listed in model.safetensors.index.json are "
+                    f"missing: "
                     f"{', '.join(missing)} — download them or fix the index"
                 )
             return [self.model_dir / f for f in files]
@@ -112,7 +113,8 @@ class Checkpoint:
         if found:
             return [self.model_dir / f for f in found]
         raise CheckpointError(
-            f"{self.model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors "
+            f"{self.model_dir}: no model.safetensors, model.safetensors.index.json or "
+            f"*.safetensors "
             f"file; moetier reads safetensors checkpoints only"
         )
 
@@ -135,7 +137,7 @@ class Checkpoint:
 
     def read_bytes_into(self, path: Path, offset: int, out: torch.Tensor) -> None:
         """Fill the uint8 tensor `out` (contiguous, CPU) with bytes from `path` at `offset`."""
-        view = memoryview(out.numpy()).cast("B")
+        view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
         fd, done, total = self._fd(path), 0, out.numel()
         while done < total:
             n = os.preadv(fd, [view[done:]], offset + done)

@@ -98,12 +98,15 @@ class ExpertLayout:
         return sum(self.ckpt.info(n.format(e=expert)).nbytes for n in src.names)
 
     def read_into(self, layer: int, expert: int, out: torch.Tensor) -> int:
-        """Read expert (layer, expert) from disk into the packed CPU buffer `out`; return bytes read."""
+        """Read expert (layer, expert) into the packed CPU buffer `out`; return bytes read."""
         src = self.sources[layer]
         gate_up, down = self.shape.split(out)
         i = self.shape.intermediate
         if src.fused:
-            parts = [self.ckpt.read(src.names[0], row=expert), self.ckpt.read(src.names[1], row=expert)]
+            parts = [
+                self.ckpt.read(src.names[0], row=expert),
+                self.ckpt.read(src.names[1], row=expert),
+            ]
             gate_up.copy_(parts[0])
             down.copy_(parts[1])
         else:

@@ -70,4 +70,3 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()
     return model
-
