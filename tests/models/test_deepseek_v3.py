@@ -13,15 +13,36 @@ import pytest
 from tests.models.parity import check_parity, fuse_experts, make_checkpoint, min_budget
 
 TINY = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1,
-    n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
-    routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-    qk_rope_head_dim=8, v_head_dim=16, vocab_size=256, max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=256,
 )
 YARN = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=1.0,
 )
 MOE_LAYERS = 2
 
@@ -29,17 +50,34 @@ MOE_LAYERS = 2
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(
-        tmp_path_factory.mktemp("dsv3"), "deepseek_v3", rope_parameters=YARN, norm_topk_prob=True,
-        rope_interleave=True, **TINY,
+        tmp_path_factory.mktemp("dsv3"),
+        "deepseek_v3",
+        rope_parameters=YARN,
+        norm_topk_prob=True,
+        rope_interleave=True,
+        **TINY,
     )
 
 
 @pytest.fixture(scope="module")
 def fused_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tiny = dict(TINY, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, n_group=2,
-                topk_group=1, routed_scaling_factor=1.5)
-    path = make_checkpoint(tmp_path_factory.mktemp("dsv3_fused"), "deepseek_v3", seed=1,
-                           norm_topk_prob=False, rope_interleave=False, **tiny)
+    tiny = dict(
+        TINY,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+    )
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("dsv3_fused"),
+        "deepseek_v3",
+        seed=1,
+        norm_topk_prob=False,
+        rope_interleave=False,
+        **tiny,
+    )
     fuse_experts(path)
     return path
 

@@ -11,9 +11,17 @@ from tests.models.parity import check_parity, fuse_experts, make_checkpoint, min
 # clip_qkv 1.0 clamps many normed q/k and raw v entries, so the clamp-vs-norm order matters.
 # Three MoE layers of 8 experts, 24 routed experts in all.
 TINY = dict(
-    hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, clip_qkv=1.0, vocab_size=256,
-    max_position_embeddings=256, eos_token_id=2,  # the default eos id lies outside the tiny vocab
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=4,
+    clip_qkv=1.0,
+    vocab_size=256,
+    max_position_embeddings=256,
+    eos_token_id=2,  # the default eos id lies outside the tiny vocab
 )
 
 
@@ -52,6 +60,7 @@ def test_parity_fused_layout(fused_ckpt: Path, budget: str | None) -> None:
 
 def test_parity_norm_topk_prob_and_no_clip(tmp_path: Path) -> None:
     # The non-default router (renormalized top-k) and attention without clipping.
-    path = make_checkpoint(tmp_path, "olmoe", seed=2,
-                           **{**TINY, "norm_topk_prob": True, "clip_qkv": None})
+    path = make_checkpoint(
+        tmp_path, "olmoe", seed=2, **{**TINY, "norm_topk_prob": True, "clip_qkv": None}
+    )
     check_parity(path, None)

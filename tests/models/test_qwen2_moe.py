@@ -13,10 +13,18 @@ from tests.models.parity import check_parity, fuse_experts, make_checkpoint, min
 
 # Layer 1 is dense (mlp_only_layers): two MoE layers of 8 experts, 16 routed experts in all.
 TINY = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-    shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, mlp_only_layers=[1],
-    vocab_size=256, max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=4,
+    mlp_only_layers=[1],
+    vocab_size=256,
+    max_position_embeddings=256,
 )
 
 

@@ -14,9 +14,18 @@ from tests.models.parity import check_parity, fuse_experts, make_checkpoint, min
 # head_dim 32 != hidden / heads (16), as in real Qwen3-MoE configs. Layer 0 is dense
 # (mlp_only_layers): two MoE layers of 8 experts, 16 routed experts in all.
 TINY = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-    num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[0], vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+    vocab_size=256,
     max_position_embeddings=256,
 )
 
@@ -56,8 +65,9 @@ def test_parity_fused_layout(fused_ckpt: Path, budget: str | None) -> None:
 
 def test_parity_attention_bias_no_topk_norm(tmp_path: Path) -> None:
     # attention_bias biases o_proj as well as q/k/v; without norm_topk_prob weights stay raw.
-    path = make_checkpoint(tmp_path, "qwen3_moe", seed=2,
-                           **{**TINY, "attention_bias": True, "norm_topk_prob": False})
+    path = make_checkpoint(
+        tmp_path, "qwen3_moe", seed=2, **{**TINY, "attention_bias": True, "norm_topk_prob": False}
+    )
     check_parity(path, None)
 
 

@@ -32,6 +32,9 @@ class DeepseekRouter(nn.Module):
     them afterwards (HF's V2 router scales unconditionally and has no renormalization).
     """
 
+    weight: torch.Tensor
+    e_score_correction_bias: torch.Tensor
+
     def __init__(
         self,
         hidden: int,

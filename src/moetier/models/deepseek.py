@@ -50,8 +50,15 @@ def v2_router(config: Any) -> DeepseekRouter:
     num_experts, top_k, _ = moe_config(config)
     # HF's DeepseekV2TopkRouter drops norm_topk_prob and always applies routed_scaling_factor.
     return DeepseekRouter(
-        config.hidden_size, num_experts, top_k, "softmax", config.topk_method or "greedy",
-        config.n_group, config.topk_group, normalize=False, scaling=config.routed_scaling_factor,
+        config.hidden_size,
+        num_experts,
+        top_k,
+        "softmax",
+        config.topk_method or "greedy",
+        config.n_group,
+        config.topk_group,
+        normalize=False,
+        scaling=config.routed_scaling_factor,
     )
 
 
@@ -59,8 +66,14 @@ def v3_router(config: Any) -> DeepseekRouter:
     num_experts, top_k, _ = moe_config(config)
     # HF's V3 router is always sigmoid + noaux_tc, whatever scoring_func/topk_method say.
     return DeepseekRouter(
-        config.hidden_size, num_experts, top_k, "sigmoid", "noaux_tc",
-        config.n_group or 1, config.topk_group or 1, normalize=bool(config.norm_topk_prob),
+        config.hidden_size,
+        num_experts,
+        top_k,
+        "sigmoid",
+        "noaux_tc",
+        config.n_group or 1,
+        config.topk_group or 1,
+        normalize=bool(config.norm_topk_prob),
         scaling=config.routed_scaling_factor,
     )
 

@@ -70,7 +70,10 @@ def build(config: Any) -> CausalLM:
         mlp: nn.Module
         if is_moe_layer(config, i):
             mlp = SharedExpertMoEBlock(
-                i, make_router(config), config.hidden_act, config.hidden_size,
+                i,
+                make_router(config),
+                config.hidden_act,
+                config.hidden_size,
                 config.shared_expert_intermediate_size,
             )
             # HF casts the top-k weights back to the activation dtype before scaling experts.

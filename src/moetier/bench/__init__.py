@@ -1,0 +1,1 @@
+"""Measurement tools: routing statistics and transfer benchmarks."""
