@@ -63,7 +63,9 @@ def test_fp32_parity_on_cuda(ckpt: Path, budget: str | None) -> None:
 
 
 def test_fp32_parity_with_disk_tier_on_cuda(ckpt: Path) -> None:
-    stats = check_parity(ckpt, "25%", host_budget="50%", device="cuda")
+    # 75%: with top-4 of 8 a step touches most experts of a layer, so an LRU host tier at
+    # half the routed bytes is cycled through and never hit; 75% is still below all of them.
+    stats = check_parity(ckpt, "25%", host_budget="75%", device="cuda")
     assert stats["disk_reads"] > 0 and stats["host_hits"] > 0
 
 
