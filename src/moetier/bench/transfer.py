@@ -46,13 +46,14 @@ def measure_shape(name: str, experts: int = 32, slots: int = 4) -> dict[str, Any
         host = HostTier(layout, experts, torch.bfloat16, True, stats, progress=False)
         cache = ExpertCache(host, layout.shape, slots, device, torch.bfloat16, stats)
         nbytes = layout.shape.numel * 2
-        copy_ms, miss_ms = [], []
+        copy_ms, miss_ms, issue_ms = [], [], []
         for i in range(experts * 3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             start.record()
             batch = cache.fetch(0, [i % experts])  # always a miss: slots << experts, LRU
+            issue_ms.append((time.perf_counter() - t0) * 1e3)
             end.record()
             cache.release(batch)
             torch.cuda.synchronize()
@@ -65,6 +66,7 @@ def measure_shape(name: str, experts: int = 32, slots: int = 4) -> dict[str, Any
             "median_copy_ms": copy,
             "copy_GBps": nbytes / (copy / 1e3) / 1e9,
             "median_miss_wall_ms": statistics.median(miss_ms[experts:]),
+            "median_host_issue_ms": statistics.median(issue_ms[experts:]),
             "exposed_fetch_s_total": stats.to_dict()["exposed_fetch_s"],
             "misses": stats.requests - stats.device_hits,
         }

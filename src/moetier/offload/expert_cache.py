@@ -59,6 +59,7 @@ class ExpertCache:
         in_use = set(keys)
         events: list[torch.cuda.Event] = []
         slots: list[int] = []
+        wait_start: torch.cuda.Event | None = None  # compute-stream mark at the first miss
         start = time.perf_counter()
         missed = False
         for key in keys:
@@ -68,13 +69,18 @@ class ExpertCache:
                 self.stats.device_hits += 1
                 self.policy.touch(key)
             else:
+                if self.cuda and not missed:
+                    # Marked before the load is issued, so host-side issue time and disk reads
+                    # count as exposed when the compute stream has nothing queued to hide them.
+                    wait_start = torch.cuda.Event(enable_timing=True)
+                    wait_start.record(torch.cuda.current_stream(self.device))
                 missed = True
                 slot, event = self._load(key, in_use)
                 if event is not None:
                     events.append(event)
             slots.append(slot)
-        if self.cuda and events:
-            self._wait_measured(events)
+        if wait_start is not None:
+            self._wait_measured(wait_start, events)
         elif missed:
             self.stats.exposed_fetch_s += time.perf_counter() - start
         pairs = [self.shape.split(self.slots[s]) for s in slots]
@@ -122,11 +128,10 @@ class ExpertCache:
         self.stats.evictions += 1
         return slot
 
-    def _wait_measured(self, events: list[torch.cuda.Event]) -> None:
+    def _wait_measured(self, start: torch.cuda.Event, events: list[torch.cuda.Event]) -> None:
+        """Compute stream waits for the loads; the time from `start` to the end is exposed."""
         stream = torch.cuda.current_stream(self.device)
-        start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
         self.transfer.wait(events)
         end.record(stream)
         self.stats.add_exposed_events(start, end)
