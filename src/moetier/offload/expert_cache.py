@@ -108,7 +108,7 @@ class ExpertCache:
         else:
             src, row = self.host.read(key)
         event = self.transfer.copy(dst, src, after=self.slot_free_event.pop(slot, None))
-        self.host.mark_in_flight(key, row, event)
+        self.host.mark_in_flight(row, event)
         self.stats.bytes_host_to_device += src.numel() * src.element_size()
         self._install(key, slot)
         return slot, event
@@ -138,7 +138,7 @@ class ExpertCache:
 
     def resident(self) -> list[ExpertKey]:
         """Resident keys, next victim first (for tests and debugging)."""
-        return [k for k in getattr(self.policy, "order", lambda: [])() if k in self.slot_of]
+        return [k for k in self.policy.order() if k in self.slot_of]
 
     def check_integrity(self) -> None:
         assert len(self.slot_of) == len(self.key_of)

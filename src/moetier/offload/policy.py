@@ -27,6 +27,10 @@ class Policy:
     def victim(self, exclude: set | frozenset = frozenset()) -> Any:
         raise NotImplementedError
 
+    def order(self) -> list[Any]:
+        """Resident keys in eviction order as of now (next victim first)."""
+        raise NotImplementedError
+
 
 class LRUPolicy(Policy):
     """Evicts the least recently used key."""
@@ -85,6 +89,9 @@ class LFUPolicy(Policy):
         if best is None:
             raise RuntimeError("no evictable key: every resident key is in use")
         return best
+
+    def order(self) -> list[Any]:
+        return sorted(self._recency, key=lambda k: self._count[k])  # stable: ties by recency
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}

@@ -71,9 +71,7 @@ class HostTier:
         self.policy.touch(key)
         return self.pool[row]
 
-    def read(
-        self, key: ExpertKey, row_busy: torch.cuda.Event | None = None
-    ) -> tuple[torch.Tensor, int]:
+    def read(self, key: ExpertKey) -> tuple[torch.Tensor, int]:
         """Read `key` from disk into a host row (kept if capacity allows); return (row, row_id)."""
         row = self._claim_row(key)
         self._wait_row(row)
@@ -95,9 +93,7 @@ class HostTier:
         self.stats.disk_reads += 1
         self.stats.bytes_disk_to_host += nbytes
 
-    def mark_in_flight(
-        self, key: ExpertKey | None, row: int, event: torch.cuda.Event | None
-    ) -> None:
+    def mark_in_flight(self, row: int, event: torch.cuda.Event | None) -> None:
         """An async copy reads host row `row` until `event` completes."""
         if event is not None:
             self.in_flight[row] = event
