@@ -1,0 +1,17 @@
+"""The built-in demo MoE model: SmolLM2-135M-Instruct upcycled to a 16-expert top-2 Mixtral.
+
+Import `ensure_demo_model` from `moetier.demo.builder`; this package imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ensure_demo_model"]
+
+
+def ensure_demo_model(*args: Any, **kwargs: Any) -> Any:
+    """See moetier.demo.builder.ensure_demo_model (imported lazily: torch and transformers)."""
+    from moetier.demo.builder import ensure_demo_model as build
+
+    return build(*args, **kwargs)
