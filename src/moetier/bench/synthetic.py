@@ -91,8 +91,11 @@ def decode_benchmark(
     llm.generate([prompt], warm)
     llm.engine.runner.stats.reset()
     engine = llm.engine
+    # Sampled at temperature 1 so tokens (and routing) vary: greedy decoding of random weights
+    # tends to repeat one token, which would make every step reuse the same experts.
     engine.add_request(
-        prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        prompt,
+        SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True),
     )
     times = []
     sync = torch.cuda.synchronize if llm.engine.runner.device.type == "cuda" else (lambda: None)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         "shape": args.shape,
         "layers": args.layers,
         "weights": "random bf16 (near-random routing)",
+        "decode": "sampled, temperature 1.0, seed 0",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "batch": 1,
