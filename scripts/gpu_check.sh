@@ -15,7 +15,7 @@ print(json.dumps({
     "expert_path": [measure_shape(s) for s in SHAPES],
 }, indent=1))
 PY
-python3 -m moetier.bench.synthetic --shape qwen3-30b-a3b --layers 4 \
+python3 -m moetier.bench.synthetic --shape qwen3-30b-a3b --layers 4 --compare-loop \
   --out "$OUT/decode-qwen3-30b-shape-4layers.json" > "$OUT/decode.log" 2>&1 || echo "decode bench failed"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 exit "${PIPESTATUS[0]}"

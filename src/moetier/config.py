@@ -111,3 +111,6 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     progress: bool = True
+    # MoE fast path: a wave whose (token, expert) weights fit in this many bytes is computed with
+    # one gather and two bmm instead of a loop over experts. None = 256 MiB on CUDA, off on CPU.
+    moe_grouped_max_bytes: int | None = None

@@ -49,6 +49,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
         progress: bool = True,
+        moe_grouped_max_bytes: int | None = None,
     ) -> None:
         if model is None:
             from moetier.demo.builder import ensure_demo_model
@@ -62,6 +63,7 @@ class LLM:
             offload=OffloadConfig(expert_budget, host_budget, policy),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             progress=progress,
+            moe_grouped_max_bytes=moe_grouped_max_bytes,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = Engine(self.config, self.tokenizer)

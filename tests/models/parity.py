@@ -117,6 +117,7 @@ def check_parity(
     host_budget: Any = None,
     device: str = "cpu",
     prompts: list[list[int]] = PROMPTS,
+    **llm_kwargs: Any,
 ) -> dict[str, float]:
     """Assert moetier == transformers token for token (and logits close); return offload stats."""
     ref = hf_model(path)
@@ -127,6 +128,7 @@ def check_parity(
         device=device,
         dtype="float32",
         progress=False,
+        **llm_kwargs,
     )
     got = moetier_greedy(llm, prompts)
     for prompt, tokens in zip(prompts, got):

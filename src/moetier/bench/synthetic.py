@@ -81,11 +81,19 @@ def decode_benchmark(
     new_tokens: int = 64,
     device: str = "auto",
     dtype: str = "auto",
+    moe_grouped_max_bytes: int | None = None,
 ) -> dict[str, Any]:
     """TTFT and TPOT at batch 1 for one expert budget, with offload counters per token."""
     from moetier import LLM, SamplingParams
 
-    llm = LLM(str(path), expert_budget=budget, device=device, dtype=dtype, progress=False)
+    llm = LLM(
+        str(path),
+        expert_budget=budget,
+        device=device,
+        dtype=dtype,
+        progress=False,
+        moe_grouped_max_bytes=moe_grouped_max_bytes,
+    )
     prompt = [(7 * i + 3) % 31000 + 1 for i in range(prompt_len)]
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], warm)
@@ -108,6 +116,7 @@ def decode_benchmark(
     decode = times[1:]
     return {
         "budget": budget or "100%",
+        "moe_compute": "loop" if moe_grouped_max_bytes == 0 else "default",
         "device_slots": s["device_slots"],
         "total_experts": s["total_experts"],
         "ttft_ms": times[0] * 1e3,
@@ -130,13 +139,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None, help="write the JSON result here too")
+    ap.add_argument(
+        "--compare-loop",
+        action="store_true",
+        help="also run each budget with the per-expert loop (grouped path off)",
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         path = write_synthetic(Path(tmp) / args.shape, args.shape, args.layers)
+        variants: list[int | None] = [0, None] if args.compare_loop else [None]
         rows = [
-            decode_benchmark(path, None if b == "100%" else b, args.prompt_len, args.new_tokens)
+            decode_benchmark(
+                path,
+                None if b == "100%" else b,
+                args.prompt_len,
+                args.new_tokens,
+                moe_grouped_max_bytes=v,
+            )
             for b in args.budgets.split(",")
+            for v in variants
         ]
     result = {
         "shape": args.shape,

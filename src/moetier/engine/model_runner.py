@@ -117,8 +117,12 @@ class ModelRunner:
         self.expert_cache, self.tier_plan = build_tiers(
             layout, config.offload, self.device, self.dtype, self.top_k, self.stats, config.progress
         )
+        grouped = config.moe_grouped_max_bytes
+        if grouped is None:
+            grouped = 256 << 20 if self.device.type == "cuda" else 0
         for block in self.model.moe_blocks():
             block.provider = self.expert_cache
+            block.grouped_max_bytes = grouped
         self.kv_cache = KVCache(self.device, self.dtype)
         self.generation_config = load_generation_config(self.model_dir)
 

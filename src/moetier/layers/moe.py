@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from moetier.offload.types import ExpertProvider
+from moetier.offload.types import ExpertBatch, ExpertProvider
 
 # Legend: T tokens, E experts, K top-k, D hidden, I expert intermediate.
 
@@ -46,6 +46,9 @@ class MoEBlock(nn.Module):
         self.act = ACT2FN[act]
         self.provider: ExpertProvider | None = None
         self.weights_dtype_cast = False  # cast routing weights to x.dtype before scaling (Qwen2)
+        # Fast path switch: compute a wave with one gather and two bmm when its (token, expert)
+        # pairs' weights fit in this many bytes; 0 = always the per-expert loop (CPU default).
+        self.grouped_max_bytes = 0
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -62,20 +65,84 @@ class MoEBlock(nn.Module):
             offsets.append(offsets[-1] + counts[e])
         order_dev = order.to(x.device, non_blocking=True)
         tokens, kpos = order_dev // k, order_dev % k
+        host_tokens = (order // k).tolist() if self.grouped_max_bytes else []
         out = torch.zeros_like(x)
         provider = self.provider
         assert provider is not None, "expert provider not attached"
         for w0 in range(0, len(experts), provider.max_batch):
             batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch])
-            for e, gate_up, down in zip(batch.experts, batch.gate_up, batch.down):
-                tok = tokens[offsets[e] : offsets[e + 1]]
-                h = F.linear(x[tok], gate_up)  # [n, 2I]
-                g, u = h.chunk(2, dim=-1)
-                y = F.linear(self.act(g) * u, down)  # [n, D]
-                y = y * weights[tok, kpos[offsets[e] : offsets[e + 1]], None]
-                out.index_add_(0, tok, y.to(out.dtype))
+            spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
+            pairs = sum(b - a for a, b in spans)
+            nbytes = pairs * batch.gate_up[0].numel() * 3 // 2 * x.element_size()
+            if batch.pool is not None and nbytes <= self.grouped_max_bytes:
+                self._wave_grouped(x, out, batch, spans, tokens, kpos, weights, host_tokens)
+            else:
+                self._wave_loop(x, out, batch, spans, tokens, kpos, weights)
             provider.release(batch)
         return out
+
+    def _wave_loop(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch: ExpertBatch,
+        spans: list[tuple[int, int]],
+        tokens: torch.Tensor,
+        kpos: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
+        """One expert at a time: matches the reference's summation order exactly."""
+        for (a, b), gate_up, down in zip(spans, batch.gate_up, batch.down):
+            tok = tokens[a:b]
+            h = F.linear(x[tok], gate_up)  # [n, 2I]
+            g, u = h.chunk(2, dim=-1)
+            y = F.linear(self.act(g) * u, down)  # [n, D]
+            y = y * weights[tok, kpos[a:b], None]
+            out.index_add_(0, tok, y.to(out.dtype))
+
+    def _wave_grouped(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch: ExpertBatch,
+        spans: list[tuple[int, int]],
+        tokens: torch.Tensor,
+        kpos: torch.Tensor,
+        weights: torch.Tensor,
+        host_tokens: list[int],
+    ) -> None:
+        """All (token, expert) pairs of the wave at once: one weight gather, two bmm.
+
+        A handful of launches instead of ~8 per expert; costs a gather copy of each pair's
+        expert weights (bounded by grouped_max_bytes). Each token's expert outputs are added in
+        ascending expert order, one rounding per add, exactly like the per-expert loop: in bf16
+        a different order flips near-tied routing decisions in later layers.
+        """
+        assert batch.pool is not None
+        pos = [p for a, b in spans for p in range(a, b)]
+        pair_slots = [s for (a, b), s in zip(spans, batch.slots) for _ in range(b - a)]
+        pos_t = torch.tensor(pos, device=x.device)
+        tok, kp = tokens[pos_t], kpos[pos_t]  # [P]
+        w = batch.pool.index_select(0, torch.tensor(pair_slots, device=x.device))  # [P, 3ID]
+        two_i, d = batch.gate_up[0].shape
+        gate_up = w[:, : two_i * d].view(-1, two_i, d)  # [P, 2I, D]
+        down = w[:, two_i * d :].view(-1, d, two_i // 2)  # [P, D, I]
+        h = torch.bmm(gate_up, x[tok].unsqueeze(-1)).squeeze(-1)  # [P, 2I]
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(down, (self.act(g) * u).unsqueeze(-1)).squeeze(-1)  # [P, D]
+        y = (y * weights[tok, kp, None]).to(out.dtype)
+        # rank = how many of this token's pairs come before it in the wave (ascending expert)
+        seen: dict[int, int] = {}
+        ranks = []
+        for p in pos:
+            t = host_tokens[p]
+            ranks.append(seen.get(t, 0))
+            seen[t] = ranks[-1] + 1
+        depth = max(seen.values())
+        per_rank = out.new_zeros(depth, out.shape[0], out.shape[1])  # [R, T, D]
+        per_rank[torch.tensor(ranks, device=x.device), tok] = y  # (rank, token) is unique
+        for r in range(depth):
+            out += per_rank[r]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x)

@@ -84,7 +84,9 @@ class ExpertCache:
         elif missed:
             self.stats.exposed_fetch_s += time.perf_counter() - start
         pairs = [self.shape.split(self.slots[s]) for s in slots]
-        return ExpertBatch(layer, experts, [p[0] for p in pairs], [p[1] for p in pairs], slots)
+        return ExpertBatch(
+            layer, experts, [p[0] for p in pairs], [p[1] for p in pairs], slots, self.slots
+        )
 
     def release(self, batch: ExpertBatch) -> None:
         if not self.cuda:

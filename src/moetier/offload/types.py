@@ -27,6 +27,9 @@ class ExpertBatch:
     gate_up: list[torch.Tensor]  # each [2I, D]
     down: list[torch.Tensor]  # each [D, I]
     slots: list[int]
+    # The packed slot pool [S, 3*I*D] the views point into, for kernels that gather by slot id
+    # (None when the provider has no single pool).
+    pool: torch.Tensor | None = None
 
 
 class ExpertProvider(Protocol):
