@@ -6,20 +6,12 @@ Run on the GPU machine with `bash scripts/gpu_check.sh` (CI has no GPU and desel
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from moetier import LLM
-from tests.models import (
-    test_deepseek_v2,
-    test_deepseek_v3,
-    test_mixtral,
-    test_olmoe,
-    test_qwen2_moe,
-    test_qwen3_moe,
-)
+from tests.models.families import CASES
 from tests.models.parity import (
     PROMPTS,
     check_parity,
@@ -35,18 +27,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral": ("mixtral", test_mixtral.TINY),
-    "qwen2_moe": ("qwen2_moe", test_qwen2_moe.TINY),
-    "qwen3_moe": ("qwen3_moe", test_qwen3_moe.TINY),
-    "olmoe": ("olmoe", test_olmoe.TINY),
-    "deepseek_v2": (
-        "deepseek_v2",
-        dict(test_deepseek_v2.TINY, topk_method="group_limited_greedy", n_group=4, topk_group=2),
-    ),
-    "deepseek_v3": ("deepseek_v3", test_deepseek_v3.TINY),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -10,7 +10,12 @@ from moetier.layers.attention import Attention
 from moetier.layers.mlp import GatedMLP
 from moetier.layers.moe import MoEBlock
 from moetier.models.base import CausalLM, DecoderLayer
-from moetier.models.qwen2_moe import is_moe_layer, make_router, reject_sliding_window
+from moetier.models.qwen2_moe import (
+    expert_prefixes,
+    is_moe_layer,
+    make_router,
+    reject_sliding_window,
+)
 from moetier.models.registry import Family, register
 
 
@@ -31,14 +36,6 @@ def build(config: Any) -> CausalLM:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         layers.append(DecoderLayer(config, attn, mlp))
     return CausalLM(config, layers)
-
-
-def expert_prefixes(config: Any) -> dict[int, list[str]]:
-    return {
-        i: [f"model.layers.{i}.mlp"]
-        for i in range(config.num_hidden_layers)
-        if is_moe_layer(config, i)
-    }
 
 
 FAMILY = register("Qwen3MoeForCausalLM")(Family("qwen3_moe", build, expert_prefixes))
