@@ -45,3 +45,21 @@ def test_moetier_greedy_equals_dense_with_disk_reads(
         ), question
     assert "Paris" in outs[0].outputs[0].text
     assert llm.offload_stats()["disk_reads"] > 0
+
+
+def test_cli_generate_defaults_to_demo(
+    demo_home: Path,
+    demo_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    cores: None,
+) -> None:
+    """`moetier generate` with no --model uses the (already built) demo and answers."""
+    from moetier.cli import main
+
+    monkeypatch.setenv("MOETIER_HOME", str(demo_home))
+    rc = main(["generate", "--max-tokens", "12", "--expert-budget", "25%", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.startswith("The capital of France is Paris")
+    assert "120/480 slots" in err and "disk" in err
