@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from moetier import LLM
-from tests.models.families import CASES
+from tests.models.families import FAMILIES
 from tests.models.parity import (
     PROMPTS,
     check_parity,
     hf_greedy,
     hf_last_logits,
     hf_model,
-    make_checkpoint,
     min_budget,
     moetier_greedy,
 )
@@ -29,10 +28,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model_type, tiny = CASES[request.param]
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **tiny)
+    return FAMILIES[request.param].checkpoint(tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("budget", [None, "50%", "min"])

@@ -1,27 +1,204 @@
-"""One tiny checkpoint recipe per family, shared by the cross-family suites (GPU, grouped path)."""
+"""One tiny checkpoint recipe per family, shared by every cross-family suite (CPU, grouped, GPU).
+
+`tiny` is the family's shape; `main` adds what the main checkpoint exercises on top of it and
+`fused` what the fused-layout checkpoint exercises instead (a second router or rope variant).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tests.models import (
-    test_deepseek_v2,
-    test_deepseek_v3,
-    test_mixtral,
-    test_olmoe,
-    test_qwen2_moe,
-    test_qwen3_moe,
+from tests.models.parity import fuse_experts, make_checkpoint
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    tiny: dict[str, Any]
+    routed_experts: int  # MoE layers x experts per layer in the main checkpoint
+    # Disk-tier case: (expert budget, host budget below the routed bytes), and the host rows
+    # that host budget buys. With top-4 of 8 a step touches most experts of a layer, so an LRU
+    # host tier at half the routed bytes is cycled through and never hit; 75% still is partial.
+    host_case: tuple[str, str]
+    host_rows: int
+    main: dict[str, Any] = field(default_factory=dict)
+    fused: dict[str, Any] = field(default_factory=dict)
+
+    def checkpoint(self, path: Path, seed: int = 0, **overrides: Any) -> Path:
+        return make_checkpoint(
+            path, self.model_type, seed, **{**self.tiny, **self.main, **overrides}
+        )
+
+    def fused_checkpoint(self, path: Path) -> Path:
+        make_checkpoint(path, self.model_type, 1, **{**self.tiny, **self.fused})
+        fuse_experts(path)
+        return path
+
+
+_DEEPSEEK_MLA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,  # layer 0 dense: two MoE layers
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=1.0,
 )
 
-# name -> (transformers model_type, config overrides)
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral": ("mixtral", test_mixtral.TINY),
-    "qwen2_moe": ("qwen2_moe", test_qwen2_moe.TINY),
-    "qwen3_moe": ("qwen3_moe", test_qwen3_moe.TINY),
-    "olmoe": ("olmoe", test_olmoe.TINY),
-    "deepseek_v2": (
-        "deepseek_v2",
-        dict(test_deepseek_v2.TINY, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(
+        "mixtral",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=24,
+        host_case=("25%", "50%"),
+        host_rows=12,
     ),
-    "deepseek_v3": ("deepseek_v3", test_deepseek_v3.TINY),
+    # Shared expert with its sigmoid gate, q/k/v bias; layer 1 dense (mlp_only_layers).
+    "qwen2_moe": Family(
+        "qwen2_moe",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=4,
+            mlp_only_layers=[1],
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=16,
+        host_case=("50%", "75%"),
+        host_rows=12,
+    ),
+    # Per-head q/k norm; head_dim 32 != hidden / heads (16), as in real configs; layer 0 dense.
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=16,
+        host_case=("50%", "75%"),
+        host_rows=12,
+    ),
+    # Full-projection q/k norm; clip_qkv 1.0 clamps many normed q/k and raw v entries, so the
+    # clamp-versus-norm order matters.
+    "olmoe": Family(
+        "olmoe",
+        dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=4,
+            clip_qkv=1.0,
+            vocab_size=256,
+            max_position_embeddings=256,
+            eos_token_id=2,  # the default eos id lies outside the tiny vocab
+        ),
+        routed_experts=24,
+        host_case=("50%", "75%"),
+        host_rows=18,
+    ),
+    # MLA without q LoRA (as V2-Lite), softmax routers. Main: group_limited_greedy. Fused:
+    # greedy, with norm_topk_prob set (HF's V2 router ignores it) and a scaling HF applies.
+    "deepseek_v2": Family(
+        "deepseek_v2",
+        dict(
+            _DEEPSEEK_MLA,
+            q_lora_rank=None,
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            n_shared_experts=2,
+        ),
+        routed_experts=32,
+        host_case=("25%", "50%"),
+        host_rows=16,
+        main=dict(
+            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.0
+        ),
+        fused=dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            topk_method="greedy",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+        ),
+    ),
+    # MLA with q LoRA, sigmoid group-limited router with correction bias and routed scaling.
+    # Main: interleaved rope with yarn (the softmax scale carries the mscale correction) and
+    # normalized top-k. Fused: rotate-half rope, no normalization, other group shape.
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        dict(
+            _DEEPSEEK_MLA,
+            q_lora_rank=32,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+        ),
+        routed_experts=32,
+        host_case=("25%", "50%"),
+        host_rows=16,
+        main=dict(rope_parameters=YARN, norm_topk_prob=True, rope_interleave=True),
+        fused=dict(
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            rope_interleave=False,
+        ),
+    ),
 }

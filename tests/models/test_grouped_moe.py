@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.families import CASES
-from tests.models.parity import check_parity, make_checkpoint, min_budget
+from tests.models.families import FAMILIES
+from tests.models.parity import check_parity, min_budget
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model_type, tiny = CASES[request.param]
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), model_type, seed=2, **tiny)
+    return FAMILIES[request.param].checkpoint(tmp_path_factory.mktemp(request.param), seed=2)
 
 
 @pytest.mark.parametrize("budget", ["50%", "min"])
