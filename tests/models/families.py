@@ -202,3 +202,15 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
 }
+
+# The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.
+MICRO_MIXTRAL = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=32,
+)

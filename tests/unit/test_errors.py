@@ -11,18 +11,10 @@ import pytest
 
 from moetier import LLM, SamplingParams
 from moetier.errors import BudgetError, CheckpointError, ConfigError, UnsupportedModelError
+from tests.models.families import MICRO_MIXTRAL
 from tests.models.parity import make_checkpoint
 
-TINY = dict(
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=32,
-)
+TINY = MICRO_MIXTRAL
 
 
 @pytest.fixture(scope="module")

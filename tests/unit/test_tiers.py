@@ -17,18 +17,10 @@ from moetier.offload.store import HostTier
 from moetier.offload.types import ExpertKey
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
+from tests.models.families import MICRO_MIXTRAL
 from tests.models.parity import make_checkpoint
 
-TINY = dict(
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=32,
-)
+TINY = MICRO_MIXTRAL
 CPU = torch.device("cpu")
 
 
