@@ -82,6 +82,7 @@ def decode_benchmark(
     device: str = "auto",
     dtype: str = "auto",
     moe_grouped_max_bytes: int | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """TTFT and TPOT at batch 1 for one expert budget, with offload counters per token."""
     from moetier import LLM, SamplingParams
@@ -103,7 +104,7 @@ def decode_benchmark(
     # tends to repeat one token, which would make every step reuse the same experts.
     engine.add_request(
         prompt,
-        SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True),
+        SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True),
     )
     times = []
     sync = torch.cuda.synchronize if llm.engine.runner.device.type == "cuda" else (lambda: None)
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="100%,50%,25%,10%")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the weights and the sampling")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     ap.add_argument(
         "--compare-loop",
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        path = write_synthetic(Path(tmp) / args.shape, args.shape, args.layers)
+        path = write_synthetic(Path(tmp) / args.shape, args.shape, args.layers, args.seed)
         variants: list[int | None] = [0, None] if args.compare_loop else [None]
         rows = [
             decode_benchmark(
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.prompt_len,
                 args.new_tokens,
                 moe_grouped_max_bytes=v,
+                seed=args.seed,
             )
             for b in args.budgets.split(",")
             for v in variants
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         "shape": args.shape,
         "layers": args.layers,
         "weights": "random bf16 (near-random routing)",
-        "decode": "sampled, temperature 1.0, seed 0",
+        "seed": args.seed,
+        "decode": f"sampled, temperature 1.0, seed {args.seed}",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "batch": 1,
