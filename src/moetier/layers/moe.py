@@ -121,16 +121,6 @@ class MoEBlock(nn.Module):
         assert batch.pool is not None
         pos = [p for a, b in spans for p in range(a, b)]
         pair_slots = [s for (a, b), s in zip(spans, batch.slots) for _ in range(b - a)]
-        pos_t = torch.tensor(pos, device=x.device)
-        tok, kp = tokens[pos_t], kpos[pos_t]  # [P]
-        w = batch.pool.index_select(0, torch.tensor(pair_slots, device=x.device))  # [P, 3ID]
-        two_i, d = batch.gate_up[0].shape
-        gate_up = w[:, : two_i * d].view(-1, two_i, d)  # [P, 2I, D]
-        down = w[:, two_i * d :].view(-1, d, two_i // 2)  # [P, D, I]
-        h = torch.bmm(gate_up, x[tok].unsqueeze(-1)).squeeze(-1)  # [P, 2I]
-        g, u = h.chunk(2, dim=-1)
-        y = torch.bmm(down, (self.act(g) * u).unsqueeze(-1)).squeeze(-1)  # [P, D]
-        y = (y * weights[tok, kp, None]).to(out.dtype)
         # rank = how many of this token's pairs come before it in the wave (ascending expert)
         seen: dict[int, int] = {}
         ranks = []
@@ -139,8 +129,22 @@ class MoEBlock(nn.Module):
             ranks.append(seen.get(t, 0))
             seen[t] = ranks[-1] + 1
         depth = max(seen.values())
+        # One asynchronous copy of all index lists: building each with torch.tensor(...,
+        # device=cuda) would synchronize the stream three times per wave, so the host would
+        # wait for the expert copies before it could queue this wave's kernels.
+        index = torch.tensor([pos, pair_slots, ranks]).to(x.device, non_blocking=True)
+        pos_t, slot_t, rank_t = index[0], index[1], index[2]
+        tok, kp = tokens[pos_t], kpos[pos_t]  # [P]
+        w = batch.pool.index_select(0, slot_t)  # [P, 3ID]
+        two_i, d = batch.gate_up[0].shape
+        gate_up = w[:, : two_i * d].view(-1, two_i, d)  # [P, 2I, D]
+        down = w[:, two_i * d :].view(-1, d, two_i // 2)  # [P, D, I]
+        h = torch.bmm(gate_up, x[tok].unsqueeze(-1)).squeeze(-1)  # [P, 2I]
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(down, (self.act(g) * u).unsqueeze(-1)).squeeze(-1)  # [P, D]
+        y = (y * weights[tok, kp, None]).to(out.dtype)
         per_rank = out.new_zeros(depth, out.shape[0], out.shape[1])  # [R, T, D]
-        per_rank[torch.tensor(ranks, device=x.device), tok] = y  # (rank, token) is unique
+        per_rank[rank_t, tok] = y  # (rank, token) is unique
         for r in range(depth):
             out += per_rank[r]
 
