@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from moetier import LLM
-from tests.models.families import FAMILIES
 from tests.models.parity import (
     PROMPTS,
     check_parity,
@@ -26,11 +25,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return FAMILIES[request.param].checkpoint(tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("budget", [None, "50%", "min"])

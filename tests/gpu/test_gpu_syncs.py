@@ -14,18 +14,12 @@ import pytest
 import torch
 
 from moetier import LLM, SamplingParams
-from tests.models.families import FAMILIES
 from tests.models.parity import PROMPTS, min_budget
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return FAMILIES[request.param].checkpoint(tmp_path_factory.mktemp(request.param))
 
 
 def decode_step_syncs(path: Path, expert_budget: str | None, grouped_max_bytes: int) -> int:
