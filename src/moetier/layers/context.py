@@ -6,8 +6,8 @@ are owned here beyond positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -39,3 +39,6 @@ class ForwardContext:
     spans: list[SeqSpan]
     positions: torch.Tensor  # [T] int64
     kv: KVStore
+    # Per-step memo for values every layer would otherwise recompute (rotary cos/sin tables),
+    # keyed by whoever fills it; lives for one forward only.
+    memo: dict[Any, Any] = field(default_factory=dict)

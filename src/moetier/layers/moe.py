@@ -6,6 +6,7 @@ experts the whole step needs, in waves no larger than the provider can hold at o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ class MoEBlock(nn.Module):
         # Fast path switch: compute a wave with one gather and two bmm when its (token, expert)
         # pairs' weights fit in this many bytes; 0 = always the per-expert loop (CPU default).
         self.grouped_max_bytes = 0
+        # Called at the layer's routing sync with (layer, flat host expert ids [T*K], K); the
+        # bench's trace recorder attaches here. None = nothing observes routing.
+        self.route_observer: Callable[[int, list[int], int], None] | None = None
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -57,6 +61,8 @@ class MoEBlock(nn.Module):
         k = ids.shape[1]
         # The one host sync of this layer: routing ids to the host to know what to fetch.
         flat = ids.flatten().cpu()  # [T*K]
+        if self.route_observer is not None:
+            self.route_observer(self.layer, flat.tolist(), k)
         order = torch.argsort(flat, stable=True)  # token-major slots grouped by expert
         counts = torch.bincount(flat, minlength=1).tolist()
         experts = [e for e, c in enumerate(counts) if c]
