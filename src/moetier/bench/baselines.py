@@ -150,7 +150,7 @@ def run_accelerate(
 
 
 def run_baselines(
-    s: Any, path: Path, prompts: list[list[int]], runs: list[Any], source: Any
+    s: Any, path: Path, prompts: list[list[int]], runs: list[Any]
 ) -> list[dict[str, Any]]:
     """One entry per requested baseline: its timings, or `skipped` with the reason."""
     out: list[dict[str, Any]] = []

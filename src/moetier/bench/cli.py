@@ -48,6 +48,14 @@ def add_bench_parser(sub: Any) -> None:
     gate = bsub.add_parser("gate", help="the ship gate: candidate vs baseline settings")
     _add_gate_args(gate)
     gate.set_defaults(func=cmd_gate)
+    syn = bsub.add_parser(
+        "synthetic", help="generate (once) a synthetic checkpoint; print its path"
+    )
+    syn.add_argument("shape")
+    syn.add_argument("--layers", type=int, default=None)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--fill-device", default=None, help="default: cuda when available")
+    syn.set_defaults(func=cmd_synthetic)
     plot = bsub.add_parser("plot", help="PNG plots from a saved latency result JSON")
     plot.add_argument("result", help="a --save-result JSON file")
     plot.add_argument("--out-dir", default=None, help="default: next to the JSON")
@@ -182,6 +190,18 @@ def _plot(result: dict[str, Any], out_dir: str, stem: str) -> None:
         return
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
+    import time
+
+    from moetier.bench.synthetic import ensure_synthetic
+
+    t0 = time.perf_counter()
+    path = ensure_synthetic(args.shape, args.layers, args.seed, args.fill_device)
+    print(path)
+    print(f"ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 _COLUMNS = (
+    ("routing", "routing", "{}"),
     ("budget", "budget", "{}"),
     ("slots", "device_slots", "{}"),
     ("TTFT ms", "ttft_ms", "{:.1f}"),

@@ -14,6 +14,7 @@ token of the batch, in token order (`experts[t]` is token t's top-k ids, router 
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ class RoutingTrace:
 
 
 def write_trace(path: str | Path, trace: RoutingTrace) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    opener: Any = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
         f.write(json.dumps(trace.header.to_json()) + "\n")
         for r in trace.records:
             line = {"step": r.step, "layer": r.layer, "requests": r.requests, "experts": r.experts}
@@ -82,7 +84,8 @@ def write_trace(path: str | Path, trace: RoutingTrace) -> None:
 
 
 def _lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
+    opener: Any = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 yield n, json.loads(line)
