@@ -13,6 +13,7 @@ import time
 from moetier.bench.cli import add_bench_parser
 from moetier.config import format_bytes
 from moetier.errors import MoetierError
+from moetier.server.cli import add_serve_parser
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("build-demo", help="build (once) and print the demo model's directory")
     demo.set_defaults(func=cmd_build_demo)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
