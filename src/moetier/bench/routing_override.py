@@ -34,8 +34,8 @@ from moetier.bench.trace import RoutingTrace
 class RoutingSource(Protocol):
     label: str
 
-    def ids(self, index: int, num_tokens: int) -> list[list[int]]:
-        """Top-k ids per token for the next call of the index-th MoE layer."""
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
+        """Top-k ids [T, K] int64 (CPU) per token for the next call of the index-th MoE layer."""
         ...
 
     def reset(self) -> None: ...
@@ -57,11 +57,10 @@ class UniformRouting:
         self.label = f"uniform (seed {seed})"
         self.calls: dict[int, int] = {}
 
-    def ids(self, index: int, num_tokens: int) -> list[list[int]]:
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
         call = self.calls.get(index, 0)
         self.calls[index] = call + 1
-        ids = uniform_ids(self.seed, index, call, num_tokens, self.num_experts, self.top_k)
-        return ids.tolist()
+        return uniform_ids(self.seed, index, call, num_tokens, self.num_experts, self.top_k)
 
     def reset(self) -> None:
         self.calls.clear()
@@ -88,7 +87,7 @@ class TraceRouting:
             raise ConfigError(f"routing trace {label} has no records")
         self.num_experts, self.top_k, self.label = num_experts, top_k, f"trace {label}"
         layers = trace.header.moe_layers or sorted({r.layer for r in trace.records})
-        self.streams = [
+        rows = [
             [
                 fit_row(row, num_experts, top_k)
                 for r in trace.records
@@ -97,14 +96,15 @@ class TraceRouting:
             ]
             for la in layers
         ]
-        self.streams = [s for s in self.streams if s]
+        # one [N, K] int64 stream per trace layer that has records
+        self.streams = [torch.tensor(r, dtype=torch.long) for r in rows if r]
         self.cursor: dict[int, int] = {}
 
-    def ids(self, index: int, num_tokens: int) -> list[list[int]]:
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
         stream = self.streams[index % len(self.streams)]
         pos = self.cursor.get(index, 0)
         self.cursor[index] = pos + num_tokens
-        return [stream[(pos + t) % len(stream)] for t in range(num_tokens)]
+        return stream[torch.arange(pos, pos + num_tokens) % stream.shape[0]]  # [T, K]
 
     def reset(self) -> None:
         self.cursor.clear()
@@ -121,8 +121,7 @@ class OverrideGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> ids [T, K] int64, weights [T, K] float32."""
-        rows = self.source.ids(self.index, x.shape[0])
-        ids = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)  # [T, K]
+        ids = self.source.ids(self.index, x.shape[0]).to(x.device)  # [T, K]
         weight: torch.Tensor = self.inner.weight  # type: ignore[assignment]
         probs = F.softmax(F.linear(x.float(), weight.float()), dim=-1)  # [T, E]
         w = probs.gather(1, ids)  # [T, K]
