@@ -342,6 +342,7 @@ class Serving:
             role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
             for i in range(len(job.choices)):
                 yield chunk(i, role, None)
+        pending: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
         async for index, ev in self._events(job):
             c = job.choices[index]
             if c.error:
@@ -351,15 +352,22 @@ class Serving:
                 yield "data: [DONE]\n\n"
                 return
             assert isinstance(ev, RequestDelta)
-            if not ev.text and not ev.finished and not (job.want_logprobs and ev.logprobs):
+            # Tokens whose text is held back (a partial stop string or UTF-8 sequence) ride
+            # along with the next chunk that carries text.
+            ids, lps = pending.setdefault(index, ([], []))
+            ids += ev.token_ids
+            lps += ev.logprobs
+            if not ev.text and not ev.finished:
                 continue
-            lp = self._logprobs(job, ev.logprobs) if job.want_logprobs else None
+            lp = self._logprobs(job, lps) if job.want_logprobs else None
             part: dict[str, Any] = (
                 {"delta": {"content": ev.text}} if job.chat else {"text": ev.text}
             )
             part["logprobs"] = lp
             if body.return_token_ids:
-                part["token_ids"] = ev.token_ids
+                part["token_ids"] = list(ids)
+            ids.clear()
+            lps.clear()
             yield chunk(index, part, c.finish_reason if ev.finished else None)
         if include_usage:
             yield _sse(
