@@ -103,8 +103,8 @@ def run_transformers(s: Any, path: Path, prompt: list[int], greedy: list[int]) -
     _free(model)
     res["load_s"] = load_s
     if greedy:
-        n = len(greedy)
-        res["greedy_agree"] = res["tokens"][:n] == greedy
+        n = min(len(greedy), len(res["tokens"]))
+        res["greedy_agree"] = res["tokens"][:n] == greedy[:n]
         res["detail"] = (
             f"all resident; first {n} greedy tokens "
             f"{'agree' if res['greedy_agree'] else 'DIFFER'} with moetier 100%"

@@ -299,7 +299,7 @@ def _greedy_tokens(llm: Any, prompt: list[int], s: LatencySettings) -> list[int]
     """Greedy tokens of the first prompt, for the transformers agreement check (else [])."""
     from moetier import SamplingParams
 
-    if "transformers" not in s.compare or s.routing != "model":
+    if "transformers" not in s.compare:
         return []
     params = SamplingParams(max_tokens=GREEDY_CHECK_TOKENS, temperature=0.0, ignore_eos=True)
     return list(llm.generate([prompt], params)[0].outputs[0].token_ids)
