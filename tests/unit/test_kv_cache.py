@@ -75,6 +75,7 @@ def test_write_stores_at_slots() -> None:
     cache = PagedKVCache(m, torch.device("cpu"))
     k = torch.arange(6.0).view(2, 1, 3)  # [T=2, Hkv=1, d=3]
     kp, vp = cache.write(0, k, -k, torch.tensor([3, 1]))
+    assert vp is not None
     assert kp.shape == (4, 1, 3) and vp.shape == (4, 1, 3)
     assert kp[3].tolist() == [[0.0, 1.0, 2.0]] and kp[1].tolist() == [[3.0, 4.0, 5.0]]
     assert kp[0].abs().sum() == 0  # untouched slots are zeros, never NaN

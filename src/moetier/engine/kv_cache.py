@@ -87,17 +87,20 @@ class PagedKVCache:
         self._v: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dv]
 
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k [T, Hkv, dk], v [T, Hkv, dv] at slots [T]; return the layer's pools."""
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store k [T, Hkv, dk], v [T, Hkv, dv] (None: keys only, MLA's latent) at slots [T];
+        return the layer's pools (None for values not stored)."""
         if layer not in self._k:
             # Zeros, not empty: padded decode rows read slot 0 with weight 0, and 0 * NaN is NaN.
             n = self.blocks.num_blocks * self.blocks.block_size
             self._k[layer] = torch.zeros(n, *k.shape[1:], dtype=k.dtype, device=self.device)
-            self._v[layer] = torch.zeros(n, *v.shape[1:], dtype=v.dtype, device=self.device)
-        kp, vp = self._k[layer], self._v[layer]
+            if v is not None:
+                self._v[layer] = torch.zeros(n, *v.shape[1:], dtype=v.dtype, device=self.device)
+        kp, vp = self._k[layer], self._v.get(layer)
         kp.index_copy_(0, slots, k.to(kp.dtype))
-        vp.index_copy_(0, slots, v.to(vp.dtype))
+        if vp is not None and v is not None:
+            vp.index_copy_(0, slots, v.to(vp.dtype))
         return kp, vp
 
     def free(self, seq_id: int) -> int:
@@ -184,7 +187,8 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
         if isinstance(m, Attention):
             elems += 2 * m.n_kv * m.head_dim
         elif isinstance(m, MLAttention):
-            elems += m.n_heads * (m.dq + m.dv)  # expanded per-head K/V, not the latent
+            # the latent and the rope key, or K/V expanded per head
+            elems += m.kv_lora_rank + m.dr if m.latent_cache else m.n_heads * (m.dq + m.dv)
     return elems * torch.empty((), dtype=dtype).element_size()
 
 

@@ -25,10 +25,14 @@ def attend(
     layer: int,
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     scale: float,
+    v_dim: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
+
+    v None: values are the first `v_dim` channels of the keys (MLA's cached latent), so only
+    the key pool is stored.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
@@ -37,10 +41,13 @@ def attend(
     """
     meta = ctx.kv_batch
     k_pool, v_pool = ctx.kv.write(layer, k, v, meta.slot_mapping)  # [S, Hkv, d*]
+    if v_pool is None:
+        assert v_dim is not None
+        v_pool = k_pool[..., :v_dim]
     if len(meta.decode_spans) == len(ctx.spans):
         out: torch.Tensor | None = None  # every row is a decode row: no scatter needed
     else:
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
     if meta.decode_rows is not None:
         assert meta.decode_slots is not None and meta.decode_mask is not None
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]

@@ -16,9 +16,10 @@ class KVStore(Protocol):
     """What attention needs from the KV cache: write this step's K/V, get the layer's pools."""
 
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k [T, Hkv, dk], v [T, Hkv, dv] at flat slots [T]; return pools [S, Hkv, d*]."""
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store k [T, Hkv, dk], v [T, Hkv, dv] (None: keys only) at flat slots [T]; return
+        the layer's pools [S, Hkv, d*] (None for values not stored)."""
         ...
 
 

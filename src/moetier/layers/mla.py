@@ -1,8 +1,9 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3): low-rank Q/KV projections and decoupled RoPE.
 
 Owns the MLA projections, the rotary variant of each DeepSeek version and the softmax scale
-(with the yarn mscale correction HF applies); attention itself is the shared `attend()` core,
-fed with K/V expanded per head (the cache holds the expanded K/V, not the latent).
+(with the yarn mscale correction HF applies); attention itself is the shared `attend()` core.
+The KV cache holds the compressed latent plus the rope key (kv_lora_rank + dr per token, ~71x
+less than expanded per-head K/V for DeepSeek-V3), with kv_b_proj absorbed into q and output.
 """
 
 from __future__ import annotations
@@ -66,7 +67,13 @@ def rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 class MLAttention(nn.Module):
-    """DeepSeek MLA with HF module names (q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a_*...)."""
+    """DeepSeek MLA with HF module names (q_proj or q_a_proj/q_a_layernorm/q_b_proj, kv_a_*...).
+
+    `latent_cache` (default on) caches the compressed latent and attends in the absorbed form;
+    off, the cache holds K/V expanded per head (the reference form, more memory).
+    """
+
+    latent_cache: bool = True
 
     def __init__(self, config: Any, layer: int, rope_style: str) -> None:
         super().__init__()
@@ -118,10 +125,38 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)  # [T, r + dr]
         latent, k_rot = ckv.split([self.kv_lora_rank, self.dr], dim=-1)  # [T, r], [T, dr]
         q_rot, k_rot = self._rope(q_rot, k_rot.view(t, 1, self.dr), ctx.positions)  # k: [T, 1, dr]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, self.n_heads, self.dn + self.dv)
-        k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # [T, H, dn], [T, H, dv]
-        q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, dq]
-        # The rope key is shared by all heads (the "mqa" part of kv_a_proj_with_mqa).
-        k = torch.cat([k_nope, k_rot.expand(t, self.n_heads, self.dr)], dim=-1)  # [T, H, dq]
-        o = attend(ctx, self.layer, q, k, v, self.scale)  # [T, H, dv]
+        latent = self.kv_a_layernorm(latent)  # [T, r]
+        if self.latent_cache:
+            o = self._attend_latent(ctx, q_nope, q_rot, latent, k_rot)
+        else:
+            kv = self.kv_b_proj(latent).view(t, self.n_heads, self.dn + self.dv)
+            k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # [T, H, dn], [T, H, dv]
+            q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, dq]
+            # The rope key is shared by all heads (the "mqa" part of kv_a_proj_with_mqa).
+            k = torch.cat([k_nope, k_rot.expand(t, self.n_heads, self.dr)], dim=-1)  # [T, H, dq]
+            o = attend(ctx, self.layer, q, k, v, self.scale)  # [T, H, dv]
         return self.o_proj(o.reshape(t, -1))
+
+    def _attend_latent(
+        self,
+        ctx: ForwardContext,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention over the cached latent: kv_b_proj's key half is absorbed into the query
+        and its value half applied after attention, so the cache holds [latent, rope key]
+        (r + dr per token, one shared head) instead of H * (dq + dv).
+
+        q_nope [T, H, dn], q_rot [T, H, dr], latent [T, r] (normed), k_rot [T, 1, dr] ->
+        [T, H, dv]. q.k and the softmax scale are those of the expanded form.
+        """
+        t, r = latent.shape
+        w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, r)
+        w_uk, w_uv = w[:, : self.dn], w[:, self.dn :]  # [H, dn, r], [H, dv, r]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
+        q = torch.cat([q_lat, q_rot], dim=-1)  # [T, H, r + dr]
+        k = torch.cat([latent.view(t, 1, r), k_rot], dim=-1)  # [T, 1, r + dr]
+        o_lat = attend(ctx, self.layer, q, k, None, self.scale, v_dim=r)  # [T, H, r]
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [T, H, dv]
