@@ -183,6 +183,11 @@ def run_latency(s: LatencySettings) -> dict[str, Any]:
                 raise
             notes.append(f"budget {b} skipped: {exc}")
             log.warning(notes[-1])
+        except Exception as exc:  # e.g. out of memory: keep what the other budgets measured
+            if b == "100%":
+                raise
+            log.exception("budget %s failed", b)
+            notes.append(f"budget {b} failed: {type(exc).__name__}: {str(exc)[:300]}")
     groups = [[r for r in runs if r.metrics["routing"] == sp] for sp in specs]
     for spec, group in zip(specs, groups):
         add_bounds(group, link)
