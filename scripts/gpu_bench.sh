@@ -9,9 +9,13 @@
 # Writes to $OUT (at most 8 files come back): summary.md (every table), bench-results.tar.gz
 # (JSON, markdown, traces, logs, plots when matplotlib exists), gpu_bench.log.
 # Plot afterwards on any machine: moetier bench plot RESULT.json
+# Time (estimated, not yet measured): DeepSeek-V2-Lite ~4-5 min, Qwen3-30B-A3B at 48 layers
+# ~6-7 min (60 GB written, three loads, transformers and accelerate loads). If one call cannot
+# hold both, run SHAPES=deepseek-v2-lite and SHAPES=qwen3-30b-a3b in two calls. A latency run
+# saves its JSON before the baselines start, so the deadline never loses moetier's numbers.
 #
 # Environment (all optional):
-#   SHAPES="qwen3-30b-a3b deepseek-v2-lite"   LAYERS=  (empty: real depth)   BUDGETS=100%,25%,10%
+#   SHAPES="deepseek-v2-lite qwen3-30b-a3b"   LAYERS=  (empty: real depth)   BUDGETS=100%,25%,10%
 #   ROUTING=uniform   TRACE=path.jsonl (default: first bench/traces/*.jsonl; none: skip replay)
 #   COMPARE=transformers,accelerate   INPUT_LEN=64   OUTPUT_LEN=32   SEED=0   WARMUP=1
 #   HOST_BUDGET_qwen3_30b_a3b=40%  (per shape; dashes as underscores)   DEADLINE=570
@@ -24,7 +28,7 @@ mkdir -p "$WORK"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
 export PYTHONUNBUFFERED=1
 export MOETIER_HOME=${MOETIER_HOME:-/tmp/moetier-bench-home}
-SHAPES=${SHAPES:-qwen3-30b-a3b deepseek-v2-lite}
+SHAPES=${SHAPES:-deepseek-v2-lite qwen3-30b-a3b}
 LAYERS=${LAYERS:-}
 BUDGETS=${BUDGETS:-100%,25%,10%}
 ROUTING=${ROUTING:-uniform}

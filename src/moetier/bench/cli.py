@@ -166,7 +166,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from moetier.bench.latency import run_latency
     from moetier.bench.report import latency_table, save_json
 
-    result = run_latency(latency_settings(args))
+    save = args.save_result
+    result = run_latency(
+        latency_settings(args), (lambda partial: save_json(save, partial)) if save else None
+    )
     print(latency_table(result))
     if args.save_result:
         save_json(args.save_result, result)

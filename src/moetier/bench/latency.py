@@ -13,6 +13,7 @@ to per output token at batch 1).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,8 +148,14 @@ def add_bounds(runs: list[ConfigRun], link: dict[str, Any]) -> None:
         )
 
 
-def run_latency(s: LatencySettings) -> dict[str, Any]:
-    """The whole run: every budget, the bound, optional baselines; returns the result dict."""
+def run_latency(
+    s: LatencySettings, on_partial: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """The whole run: every budget, the bound, optional baselines; returns the result dict.
+
+    `on_partial` gets the result before the (slow) baselines run, so a run killed during them
+    still leaves moetier's numbers behind.
+    """
     from transformers import AutoConfig
 
     from moetier.bench.bandwidth import measure_link
@@ -208,6 +215,8 @@ def run_latency(s: LatencySettings) -> dict[str, Any]:
     if s.compare:
         from moetier.bench.baselines import run_baselines
 
+        if on_partial is not None:
+            on_partial(result)
         result["baselines"] = run_baselines(s, path, prompts[: s.batch_size], groups[0])
     return result
 
