@@ -114,7 +114,7 @@ def test_trace_and_plots_written(result: tuple[dict, Path]) -> None:
     trace = read_trace(out / "t.jsonl")
     assert trace.header.num_experts == 16 and trace.header.top_k == 4
     assert all(len(r.experts) == len(r.requests) for r in trace.records)
-    assert (out / "latency-tpot.png").stat().st_size > 0
+    assert (out / "r-tpot.png").stat().st_size > 0
     assert main(["bench", "plot", str(out / "r.json"), "--out-dir", str(out / "p")]) == 0
     assert (out / "p" / "r-breakdown.png").stat().st_size > 0
 

@@ -176,7 +176,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
         print(f"\nsaved {args.save_result}", file=sys.stderr)
     plot_dir = args.plot
     if plot_dir:
-        _plot(result, plot_dir, "latency")
+        from pathlib import Path
+
+        _plot(result, plot_dir, Path(save).stem if save else "latency")
     return 0
 
 
