@@ -221,6 +221,16 @@ def run_latency(
     return result
 
 
+def _synthetic_meta(path: Path) -> dict[str, Any] | None:
+    """The synthetic checkpoint's marker (shape, layers, seed, fill device), if it is one."""
+    import json
+
+    from moetier.bench.synthetic import MARKER
+
+    marker = Path(path) / MARKER
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
 def settings_record(
     s: LatencySettings, path: Path, device: torch.device, geo: dict[str, int], sources: list[Any]
 ) -> dict[str, Any]:
@@ -243,6 +253,8 @@ def settings_record(
         torch=torch.__version__,
         routing_source=routing,
         prefetch=str(s.llm_kwargs.get("prefetch", "off")),
+        kv_budget=str(s.llm_kwargs.get("num_kv_blocks", "default (engine's KV bytes)")),
+        synthetic_meta=_synthetic_meta(path),
         sampling="temperature 1.0, per-request seed (seed + prompt index), ignore_eos",
         gpu_busy_source=(
             "torch.profiler CUDA kernel time, separate pass"
