@@ -119,6 +119,12 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="tiny-qwen3,tiny-deepseek-v2")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seeds", default="0,1")
+    p.add_argument(
+        "--weights-seed",
+        type=int,
+        default=None,
+        help="one synthetic checkpoint for every seed (default: each seed its own weights)",
+    )
     p.add_argument("--expert-budget", default="25%", help="the budget both sides run at")
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=16)
@@ -229,6 +235,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         shapes=[s for s in args.shapes.split(",") if s.strip()],
         layers=args.layers,
         seeds=[int(x) for x in args.seeds.split(",") if x.strip()],
+        weights_seed=args.weights_seed,
         expert_budget=args.expert_budget,
         input_len=args.input_len,
         output_len=args.output_len,

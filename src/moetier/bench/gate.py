@@ -33,6 +33,7 @@ class GateSettings:
     shapes: list[str] = field(default_factory=lambda: ["tiny-qwen3", "tiny-deepseek-v2"])
     layers: int | None = None
     seeds: list[int] = field(default_factory=lambda: [0, 1])
+    weights_seed: int | None = None  # None: each seed generates its own synthetic weights
     expert_budget: str = "25%"
     input_len: int = 16
     output_len: int = 16
@@ -59,6 +60,7 @@ def side_settings(g: GateSettings, kv: dict[str, Any], shape: str, seed: int) ->
         input_len=g.input_len,
         output_len=g.output_len,
         seed=seed,
+        weights_seed=g.weights_seed,
         routing=g.routing,
         device=g.device,
         dtype=g.dtype,
