@@ -69,13 +69,15 @@ def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
     raise RuntimeError(f"server did not come up:\n{server.log()}")
 
 
-def stop_server(server: LiveServer) -> None:
+def stop_server(server: LiveServer) -> int:
+    """SIGTERM, as a service manager would; the exit code (0 after a graceful stop)."""
     server.proc.terminate()
     try:
-        server.proc.wait(timeout=30)
+        return server.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.proc.kill()
         server.proc.wait()
+        return -9
 
 
 @pytest.fixture(scope="module")
@@ -89,5 +91,5 @@ def serve(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         return started[-1]
 
     yield _start
-    for s in started:
-        stop_server(s)
+    codes = [stop_server(s) for s in started]
+    assert codes == [0] * len(codes), f"servers exited {codes} on SIGTERM"

@@ -147,6 +147,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.attach(asyncio.get_running_loop())
         yield
+        client.shutdown()  # after uvicorn's graceful shutdown let in-flight requests finish
 
     app = FastAPI(title="moetier", docs_url=None, redoc_url=None, lifespan=lifespan)
     serving = Serving(client, tokenizer, settings, metrics)

@@ -43,6 +43,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=_positive, default=16)
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may finish")  # fmt: skip
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -78,6 +80,21 @@ def check_bind(host: str, api_key: str | None, allow_public: bool) -> None:
         )
 
 
+def _graceful_server_class() -> Any:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):  # type: ignore[misc]
+        """SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to the grace
+        period), then return, so the engine is shut down and the process exits 0; uvicorn
+        would otherwise re-raise the signal after its own shutdown."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return GracefulServer
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -86,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moetier.server.app import ServerSettings, create_app
     from moetier.server.engine_process import EngineArgs, EngineClient
 
+    server_cls = _graceful_server_class()
     api_key = args.api_key or os.environ.get("MOETIER_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)
     engine_args = EngineArgs(
@@ -121,7 +139,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.port,
             "on" if api_key else "off",
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=args.shutdown_grace_s,
+        )
+        server_cls(config).run()
     finally:
         client.shutdown()
     return 0

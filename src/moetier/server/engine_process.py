@@ -12,7 +12,9 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,6 +81,8 @@ class Shutdown:
 def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> None:
     """Entry point of the engine process: load, say ready (or fatal), then serve commands."""
     logging.basicConfig(level=log_level, format="%(levelname)s engine %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the server stops the engine with Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from moetier.llm import LLM
 
     try:
@@ -113,7 +117,11 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
 
 def _serve(eng: Any, cmd_q: Any, out_q: Any) -> None:
     last_stats = 0.0
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:
+            log.error("server process is gone; engine exits")
+            return
         cmds: list[Any] = []
         # Idle: block (with a timeout so counters still go out); busy: take what is there.
         with contextlib.suppress(queue.Empty):
