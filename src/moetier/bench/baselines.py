@@ -52,6 +52,8 @@ def _sync(device: torch.device) -> None:
 def time_hf_decode(model: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     """Greedy decode with the model's KV cache; TTFT and per-token step times."""
     device = model.get_input_embeddings().weight.device
+    if device.type == "meta":  # offloaded by accelerate: its hooks move inputs where needed
+        device = torch.device("cuda", torch.cuda.current_device())
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
     ids = torch.tensor([prompt], device=device)
     _sync(dev)
