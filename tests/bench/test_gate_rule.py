@@ -1,0 +1,41 @@
+"""The ship-gate rule on fixed numbers, and k=v settings split between bench and LLM."""
+
+from __future__ import annotations
+
+from moetier.bench.cli import parse_kv
+from moetier.bench.gate import GateSettings, judge, side_settings
+
+
+def _pair(shape: str, eb: float, ec: float, tb: float, tc: float) -> dict:
+    side = lambda e, t: {"exposed_fetch_ms_per_token": e, "tokens_per_s": t}  # noqa: E731
+    return {"shape": shape, "seed": 0, "baseline": side(eb, tb), "candidate": side(ec, tc)}
+
+
+def test_ship_when_fetch_lower_and_speed_kept() -> None:
+    assert judge([_pair("a", 2.0, 1.0, 100, 97), _pair("b", 1.0, 1.02, 50, 50)], 0.05) == (
+        "SHIP",
+        [],
+    )
+
+
+def test_no_ship_reasons() -> None:
+    verdict, why = judge([_pair("a", 2.0, 1.0, 100, 90), _pair("b", 1.0, 1.5, 50, 50)], 0.05)
+    assert verdict == "NO-SHIP"
+    assert why == [
+        "a seed 0: tokens/s lower beyond noise",
+        "b seed 0: exposed fetch higher beyond noise",
+    ]
+    assert judge([_pair("a", 1.0, 1.0, 10, 10)], 0.05)[0] == "NO-SHIP"  # not lower: no ship
+
+
+def test_side_settings_split() -> None:
+    kv = parse_kv("policy=lfu expert_budget=10% moe_grouped_max_bytes=0 prefetch=none")
+    assert kv == {
+        "policy": "lfu",
+        "expert_budget": "10%",
+        "moe_grouped_max_bytes": 0,
+        "prefetch": None,
+    }
+    s = side_settings(GateSettings({}, kv), kv, "tiny-qwen3", 3)
+    assert (s.policy, s.budgets, s.seed, s.synthetic) == ("lfu", ["100%", "10%"], 3, "tiny-qwen3")
+    assert s.llm_kwargs == {"moe_grouped_max_bytes": 0, "prefetch": None}
