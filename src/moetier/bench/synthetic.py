@@ -135,6 +135,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
+    "tiny-mixtral": dict(
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
 }
 DEFAULT_LAYERS = {
     "qwen3-30b-a3b": 48,
@@ -143,6 +154,7 @@ DEFAULT_LAYERS = {
     "olmoe-1b-7b": 16,
     "tiny-qwen3": 2,
     "tiny-deepseek-v2": 3,
+    "tiny-mixtral": 2,
 }
 MARKER = "synthetic-complete.json"
 _CPU_POOL = 1_000_003  # prime: tiled pool slices never align with expert or row boundaries

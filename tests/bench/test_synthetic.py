@@ -1,0 +1,57 @@
+"""Synthetic shapes: real geometry, and transformers loads the checkpoints moetier reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.bench.latency import model_geometry
+from moetier.bench.synthetic import ensure_synthetic, shape_config
+
+# (shape, layers, experts, top-k, MB per bf16 expert) as in the facts' table
+REAL = [
+    ("qwen3-30b-a3b", 48, 128, 8, 9.44),
+    ("deepseek-v2-lite", 27, 64, 6, 17.30),
+    ("mixtral-8x7b", 32, 8, 2, 352.32),
+]
+
+
+@pytest.mark.parametrize("shape,layers,experts,top_k,mb", REAL)
+def test_real_shapes(shape: str, layers: int, experts: int, top_k: int, mb: float) -> None:
+    geo = model_geometry(shape_config(shape, layers))
+    assert (geo["num_layers"], geo["num_experts"], geo["top_k"]) == (layers, experts, top_k)
+    assert 3 * geo["hidden"] * geo["intermediate"] * 2 / 1e6 == pytest.approx(mb, abs=0.01)
+
+
+def test_deepseek_v2_lite_details() -> None:
+    c = shape_config("deepseek-v2-lite", 27)
+    assert (c.first_k_dense_replace, c.n_shared_experts, c.kv_lora_rank, c.q_lora_rank) == (
+        1,
+        2,
+        512,
+        None,
+    )
+    assert (c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.vocab_size) == (
+        64,
+        128,
+        128,
+        102400,
+    )
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-deepseek-v2", "tiny-mixtral"])
+def test_transformers_and_moetier_agree(shape: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from moetier import LLM, SamplingParams
+
+    path = ensure_synthetic(shape, None, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = [5, 77, 301, 9, 42, 7]
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+        )
+    llm = LLM(str(path), expert_budget="50%", progress=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == out[0, 6:].tolist()
