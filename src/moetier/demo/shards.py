@@ -1,13 +1,15 @@
 """Streaming writer of sharded safetensors checkpoints (`model-0000i-of-0000n` + index).
 
 Writes tensor by tensor straight to disk, so a tensor listed many times (an upcycled expert)
-costs its bytes on disk but no extra RAM. Deterministic: same tensors in, same bytes out.
+costs its bytes on disk but no extra RAM, and a `LazyTensor` (a perturbed expert) is made only
+when its bytes are written. Deterministic: same tensors in, same bytes out.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,11 +24,29 @@ _DTYPES = {
     torch.int32: "I32",
 }
 
-Entry = tuple[str, torch.Tensor]
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor made on demand: `make()` must return exactly `shape` and `dtype`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def materialize(self) -> torch.Tensor:
+        t = self.make()
+        assert tuple(t.shape) == self.shape and t.dtype == self.dtype, "LazyTensor made wrong"
+        return t
 
 
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+Entry = tuple[str, "torch.Tensor | LazyTensor"]
+
+
+def tensor_nbytes(t: torch.Tensor | LazyTensor) -> int:
+    numel = 1
+    for dim in t.shape:
+        numel *= int(dim)
+    return numel * torch.empty(0, dtype=t.dtype).element_size()
 
 
 def plan_shards(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Entry]]:
@@ -61,7 +81,9 @@ def _header(entries: Sequence[Entry]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def _tensor_bytes(t: torch.Tensor | LazyTensor) -> memoryview:
+    if isinstance(t, LazyTensor):
+        t = t.materialize()
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return flat.numpy().data
 

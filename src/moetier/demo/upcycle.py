@@ -4,6 +4,11 @@ Each layer's MLP becomes num_experts identical experts (gate -> w1, up -> w3, do
 router. Mixtral renormalizes the top-k softmax weights to sum 1, so the MoE block computes
 exactly the dense FFN whatever the router picks: the upcycled model generates what the dense
 model generates, while its routing is real.
+
+Perturbed variants (`perturb > 0`) make each expert tensor the dense one plus seeded Gaussian
+noise of relative scale `perturb` (noise RMS = perturb x the tensor's RMS), so that computing a
+wrong expert changes the output. The noise is made when the shard writer reaches the tensor:
+a 128-expert variant never holds more than one expert tensor of noise in RAM.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Any
 
 import torch
 
-from moetier.demo.shards import Entry
+from moetier.demo.shards import Entry, LazyTensor
 
 _COPIED_CONFIG_KEYS = (
     "vocab_size",
@@ -60,8 +65,39 @@ def mixtral_config(dense_config: Any, num_experts: int, top_k: int, dtype: str) 
     return config
 
 
+def noise_seed(seed: int, layer: int, expert: int, tensor: int) -> int:
+    """The generator seed of one expert tensor's noise (unique below 4096 layers and experts)."""
+    assert 0 <= layer < 4096 and 0 <= expert < 4096 and 0 <= tensor < 4
+    return ((seed * 4096 + layer) * 4096 + expert) * 4 + tensor
+
+
+def perturbed(base: torch.Tensor, scale: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """base + scale * rms(base) * N(0, 1) from torch.Generator(seed), computed in float32."""
+    x = base.float()
+    rms = x.pow(2).mean().sqrt()
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    return (x + noise.mul_(scale * rms)).to(dtype).contiguous()
+
+
+def _expert_tensor(
+    base: torch.Tensor, perturb: float, seed: int, layer: int, expert: int, tensor: int
+) -> torch.Tensor | LazyTensor:
+    if perturb <= 0:
+        return base
+    nseed = noise_seed(seed, layer, expert, tensor)
+    return LazyTensor(
+        tuple(base.shape), base.dtype, lambda: perturbed(base, perturb, nseed, base.dtype)
+    )
+
+
 def _dense_layer_entries(
-    state: dict[str, torch.Tensor], layer: int, router: torch.Tensor, num_experts: int
+    state: dict[str, torch.Tensor],
+    layer: int,
+    router: torch.Tensor,
+    num_experts: int,
+    perturb: float = 0.0,
+    seed: int = 0,
 ) -> list[Entry]:
     dense = f"model.layers.{layer}"
     moe = f"{dense}.block_sparse_moe"
@@ -72,8 +108,9 @@ def _dense_layer_entries(
     ]
     entries.append((f"{moe}.gate.weight", router))
     for expert in range(num_experts):
-        for dense_name, mixtral_name in _EXPERT_WEIGHTS:
-            tensor = state[f"{dense}.mlp.{dense_name}.weight"]
+        for t, (dense_name, mixtral_name) in enumerate(_EXPERT_WEIGHTS):
+            base = state[f"{dense}.mlp.{dense_name}.weight"]
+            tensor = _expert_tensor(base, perturb, seed, layer, expert, t)
             entries.append((f"{moe}.experts.{expert}.{mixtral_name}.weight", tensor))
     return entries
 
@@ -84,15 +121,19 @@ def upcycled_entries(
     num_experts: int,
     tie_word_embeddings: bool,
     dtype: torch.dtype = torch.bfloat16,
+    perturb: float = 0.0,
+    seed: int = 0,
 ) -> list[Entry]:
     """(name, tensor) of the Mixtral checkpoint in file order; experts share their source tensor.
 
-    Each dense tensor is cast to dtype once; the returned list only references those.
+    Each dense tensor is cast to dtype once; the returned list only references those. With
+    perturb > 0 each expert tensor is a LazyTensor: the dense one plus its own seeded noise.
     """
     state = {name: t.detach().to(dtype).contiguous() for name, t in dense_state.items()}
     entries: list[Entry] = [("model.embed_tokens.weight", state["model.embed_tokens.weight"])]
     for layer, router in enumerate(routers):
-        entries += _dense_layer_entries(state, layer, router.to(dtype).contiguous(), num_experts)
+        router_t = router.to(dtype).contiguous()
+        entries += _dense_layer_entries(state, layer, router_t, num_experts, perturb, seed)
     entries.append(("model.norm.weight", state["model.norm.weight"]))
     if not tie_word_embeddings:
         entries.append(("lm_head.weight", state["lm_head.weight"]))

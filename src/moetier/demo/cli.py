@@ -1,0 +1,126 @@
+"""Command line of the demo and its traces: `moetier build-demo | record-trace | replay`.
+
+Parsing and printing only: building lives in `builder.py`, tracing in `tracing.py`, replay in
+`moetier.bench.replay`. `moetier.cli` registers these with one call to `add_demo_parsers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from moetier.config import format_bytes
+
+
+def add_demo_parsers(sub: Any) -> None:
+    """Add build-demo, record-trace and replay to an argparse subparsers object."""
+    demo = sub.add_parser(
+        "build-demo",
+        help="build (once) and print the demo model's directory, or a variant's",
+        description="Build the SmolLM2-based demo MoE (default 16 experts, top-2) or a variant "
+        "into $MOETIER_HOME/demo/<name>/ and print its directory.",
+    )
+    _add_variant_args(demo, experts=16, top_k=2)
+    demo.add_argument(
+        "--perturb",
+        type=float,
+        default=0.0,
+        help="each expert = the dense FFN plus seeded noise of this relative RMS (e.g. 0.01); "
+        "default 0: identical copies",
+    )
+    demo.set_defaults(func=cmd_build_demo)
+
+    rec = sub.add_parser(
+        "record-trace",
+        help="record a real-text routing trace of an unperturbed demo variant (no build needed)",
+        description="Greedy-answer chat prompts with the dense SmolLM2 and route each layer's "
+        "MoE input through the variant's fit routers; writes a moetier-trace (JSON Lines, "
+        "gzip when FILE ends with .gz).",
+    )
+    _add_variant_args(rec, experts=128, top_k=8)
+    rec.add_argument("--out", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    rec.add_argument(
+        "--prompts-file", default=None, help="one prompt per line (default: the shipped set)"
+    )
+    rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.set_defaults(func=cmd_record_trace)
+
+    rp = sub.add_parser(
+        "replay",
+        help="hit rates of expert-cache policies and Belady's optimum on a routing trace",
+        description="Simulate each policy with the engine's slot semantics (one global pool of "
+        "slots over all MoE layers) on a moetier-trace file and print hit rates beside Belady's.",
+    )
+    rp.add_argument("trace", metavar="FILE", help="moetier-trace file (.jsonl or .jsonl.gz)")
+    rp.add_argument("--policy", default="lru,lfu", help="comma-separated policies (lru, lfu)")
+    rp.add_argument(
+        "--expert-budget",
+        default="25%",
+        help="device slots: a share of all experts ('25%%') or bytes ('2GiB'); default 25%%",
+    )
+    rp.add_argument("--json", action="store_true", help='print {"belady": h, "policies": {..}}')
+    rp.set_defaults(func=cmd_replay)
+
+
+def _add_variant_args(p: argparse.ArgumentParser, experts: int, top_k: int) -> None:
+    p.add_argument("--experts", type=int, default=experts, help=f"experts per layer ({experts})")
+    p.add_argument("--top-k", type=int, default=top_k, help=f"experts per token ({top_k})")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the router fit and the experts' noise (0)"
+    )
+
+
+def cmd_build_demo(args: argparse.Namespace) -> int:
+    from moetier.demo.builder import demo_model_dir, ensure_demo_model, is_complete
+    from moetier.demo.variants import DemoSpec
+
+    spec = DemoSpec(args.experts, args.top_k, args.perturb, args.seed)
+    path = demo_model_dir(None, spec)
+    if not is_complete(path):
+        print(
+            f"building {spec.name}: {format_bytes(spec.checkpoint_bytes)} on disk (bfloat16, "
+            f"30 layers x {spec.num_experts} experts of {format_bytes(spec.expert_bytes)}) "
+            f"into {path}",
+            file=sys.stderr,
+        )
+    print(ensure_demo_model(spec=spec))
+    return 0
+
+
+def cmd_record_trace(args: argparse.Namespace) -> int:
+    from moetier.demo.tracing import record_variant_trace, save_trace, trace_stats
+    from moetier.demo.variants import DemoSpec
+
+    spec = DemoSpec(args.experts, args.top_k, 0.0, args.seed)
+    prompts = None
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    trace = record_variant_trace(spec, prompts, args.max_new_tokens)
+    out = save_trace(trace, args.out)
+    stats = trace_stats(trace)
+    s = stats.summary
+    decode_reuse = sum(stats.decode_reuse) / len(stats.decode_reuse)
+    print(
+        f"[moetier] {spec.name}: {stats.prompts} prompts, {stats.prefill_tokens} prefill + "
+        f"{stats.decode_tokens} decode tokens, {stats.lines} lines | consecutive-token reuse "
+        f"{s.mean_reuse:.3f} (decode only {decode_reuse:.3f}) vs random {s.random_reuse:.3f}",
+        file=sys.stderr,
+    )
+    print(out)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from moetier.bench.replay import format_replay, load_trace, replay
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    trace = load_trace(args.trace)
+    slots, best, rates = replay(trace, args.expert_budget, policies)
+    if args.json:
+        print(json.dumps({"belady": best, "policies": rates}))
+    else:
+        print(format_replay(args.trace, trace, args.expert_budget, slots, best, rates))
+    return 0

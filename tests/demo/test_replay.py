@@ -1,0 +1,96 @@
+"""`moetier replay`: policy and Belady hit rates with the engine's slot semantics, exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from moetier.bench.replay import HeapLFU, load_trace, replay, simulate, slots_for_budget
+from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord
+from moetier.cli import main
+from moetier.demo.tracing import save_trace
+from moetier.errors import MoetierError
+from moetier.offload.policy import LFUPolicy, make_policy
+
+
+def _trace(calls: list[tuple[int, list[list[int]]]], experts: int, top_k: int) -> RoutingTrace:
+    """One record per (layer, per-token ids); each call its own step, request 0."""
+    layers = sorted({layer for layer, _ in calls})
+    header = TraceHeader(max(layers) + 1, experts, top_k, layers, expert_bytes=100)
+    records = [
+        TraceRecord(step, layer, [0] * len(rows), rows) for step, (layer, rows) in enumerate(calls)
+    ]
+    return RoutingTrace(header, records)
+
+
+# one layer, top-1, 3 slots: LRU 3/10 hits, LFU 4/10 (keeps the thrice-used 0), Belady 5/10
+SEQUENCE = [0, 0, 0, 1, 2, 3, 0, 2, 1, 3]
+
+
+def sequence_trace() -> RoutingTrace:
+    return _trace([(0, [[e]]) for e in SEQUENCE], experts=8, top_k=1)
+
+
+def test_hand_made_trace_hit_rates_exact() -> None:
+    trace = sequence_trace()
+    assert slots_for_budget(trace.header, "300") == 3
+    slots, best, rates = replay(trace, "300", ["lru", "lfu"])
+    assert (slots, best, rates) == (3, 0.5, {"lru": 0.3, "lfu": 0.4})
+
+
+def test_eviction_orders_exact() -> None:
+    records = sequence_trace().records
+    lru = simulate(records, 3, make_policy("lru"), keep_evictions=True)
+    assert lru.evictions == [(0, 0), (0, 1), (0, 3), (0, 0)]
+    lfu = simulate(records, 3, make_policy("lfu"), keep_evictions=True)
+    assert lfu.evictions == [(0, 1), (0, 3), (0, 1)]
+
+
+def test_calls_larger_than_the_pool_go_in_waves() -> None:
+    # 4 distinct experts, 3 slots: waves [0, 1, 2] then [3]; the next call needs 0 and 3
+    trace = _trace([(0, [[0, 1], [2, 3]]), (0, [[3, 0]])], experts=4, top_k=2)
+    lru = simulate(trace.records, 3, make_policy("lru"), keep_evictions=True)
+    assert (lru.requests, lru.hits, lru.evictions) == (6, 1, [(0, 0), (0, 1)])
+    _, best, rates = replay(trace, "75%", ["lru"])
+    assert (best, rates) == (pytest.approx(2 / 6), {"lru": pytest.approx(1 / 6)})
+
+
+def test_full_budget_preloads_everything_and_too_small_a_budget_is_an_error() -> None:
+    trace = _trace([(0, [[0, 1]]), (1, [[2, 3]])], experts=4, top_k=2)
+    assert replay(trace, "100%", ["lru", "lfu"]) == (8, 1.0, {"lru": 1.0, "lfu": 1.0})
+    with pytest.raises(MoetierError, match="top-k = 2"):
+        replay(trace, "100", ["lru"])
+    with pytest.raises(MoetierError, match="unknown expert-cache policy"):
+        replay(trace, "50%", ["nope"])
+
+
+def test_heap_lfu_evicts_exactly_like_lfu_policy() -> None:
+    rng = random.Random(0)
+    calls = [
+        (layer, [rng.sample(range(16), 4) for _ in range(rng.choice((1, 1, 1, 5)))])
+        for _ in range(300)
+        for layer in range(3)
+    ]
+    records = _trace(calls, experts=16, top_k=4).records
+    for slots in (4, 7, 20):
+        slow = simulate(records, slots, LFUPolicy(), keep_evictions=True)
+        fast = simulate(records, slots, HeapLFU(), keep_evictions=True)
+        assert (fast.hits, fast.evictions) == (slow.hits, slow.evictions)
+
+
+def test_cli_replay_json_on_a_gzip_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = save_trace(sequence_trace(), tmp_path / "t.jsonl.gz")
+    assert load_trace(path).records == sequence_trace().records
+    assert (
+        main(["replay", str(path), "--policy", "lru,lfu", "--expert-budget", "300", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out) == {
+        "belady": 0.5,
+        "policies": {"lru": 0.3, "lfu": 0.4},
+    }
+    assert main(["replay", str(path), "--expert-budget", "300"]) == 0
+    text = capsys.readouterr().out
+    assert "3 of 8 expert slots" in text and "lfu" in text and "-10.0 pt" in text
