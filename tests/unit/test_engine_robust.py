@@ -102,3 +102,28 @@ def test_max_model_len_checked_at_admission(ckpt: Path) -> None:
     with pytest.raises(ConfigError, match="ask for at most 10"):
         llm.generate([list(range(1, 7))], SamplingParams(max_tokens=11))
     assert not llm.engine.has_unfinished()
+
+
+def test_non_finite_logits_fail_only_that_request(ckpt: Path, reference: list[list[int]]) -> None:
+    llm = _llm(ckpt)
+    eng = llm.engine
+    model = eng.runner.model
+    real = model.compute_logits
+    a, b = (eng.add_request(p, GREEDY) for p in PROMPTS[:2])
+
+    def poisoned(hidden: Any) -> Any:
+        logits = real(hidden)
+        if a.num_computed_tokens > 0 and not a.finished:  # after a's prefill: its row is 0
+            logits[0] = float("nan")
+        return logits
+
+    model.compute_logits = poisoned  # type: ignore[method-assign]
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    errors = [d for d in deltas if d.error]
+    assert [(d.request_id, d.finish_reason) for d in errors] == [(a.request_id, "error")]
+    assert "non-finite logits" in (errors[0].error or "")
+    assert len(a.output_token_ids) == 1  # the token sampled before the poison; never a NaN one
+    assert b.output_token_ids == reference[1]
+    assert eng.blocks.num_used == 0

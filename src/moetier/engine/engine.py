@@ -14,7 +14,7 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.core import CompletionOutput, Request, RequestOutput, SamplingParams
-from moetier.engine.batch import SchedulerOutput
+from moetier.engine.batch import ScheduledRequest, SchedulerOutput
 from moetier.engine.model_runner import ModelRunner
 from moetier.engine.outputs import RequestDelta, TokenLogprob
 from moetier.engine.sampler import Sampler
@@ -109,19 +109,38 @@ class Engine:
             return self._take_pending()
         try:
             logits = self.runner.execute(batch)
+            sampled = self._sample(batch, logits)
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
-            return self._fail(batch, exc)
-        return self._update(batch, logits)
+            return self._fail(batch.scheduled, exc)
+        return self._update(batch, *sampled)
 
-    def _update(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestDelta]:
-        sampling = [s for s in batch.scheduled if s.samples]
-        ids = [s.request.request_id for s in sampling]
-        tokens = self.sampler.sample(logits, ids, [s.request.params for s in sampling])
-        lps = self._token_logprobs(logits, ids, tokens)
+    def _sample(
+        self, batch: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[ScheduledRequest], list[int], dict[int, TokenLogprob], list[ScheduledRequest]]:
+        """(rows sampled, their tokens, logprobs, rows whose logits are not finite)."""
+        rows = [s for s in batch.scheduled if s.samples]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [N]: NaN never becomes a token
+        bad = [s for s, ok in zip(rows, finite) if not ok]
+        if bad:
+            logits = logits[[i for i, ok in enumerate(finite) if ok]]
+            rows = [s for s, ok in zip(rows, finite) if ok]
+        ids = [s.request.request_id for s in rows]
+        tokens = self.sampler.sample(logits, ids, [s.request.params for s in rows])
+        return rows, tokens, self._token_logprobs(logits, ids, tokens), bad
+
+    def _update(
+        self,
+        batch: SchedulerOutput,
+        rows: list[ScheduledRequest],
+        tokens: list[int],
+        lps: dict[int, TokenLogprob],
+        bad: list[ScheduledRequest],
+    ) -> list[RequestDelta]:
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        out = self._take_pending()
-        for s, tok in zip(sampling, tokens):
+        out = self._fail(bad, FloatingPointError("non-finite logits")) if bad else []
+        out += self._take_pending()
+        for s, tok in zip(rows, tokens):
             req = s.request
             req.output_token_ids.append(tok)
             done = self.stopping.check(req)
@@ -148,13 +167,13 @@ class Engine:
             out[ids[i]] = TokenLogprob(tokens[i], float(chosen[j]), top)
         return out
 
-    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
-        """Fail the step's requests with the error; their K/V past the progress counters is
+    def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> list[RequestDelta]:
+        """Fail these requests with the error; their K/V past the progress counters is
         dropped with their blocks, so no other request sees it."""
-        log.error("engine step failed; failing its %d requests: %r", len(batch.scheduled), exc)
+        log.error("engine step failed; failing %d requests: %r", len(scheduled), exc)
         self.last_error = exc
         out = self._take_pending()
-        for s in batch.scheduled:
+        for s in scheduled:
             req = s.request
             req.finished, req.finish_reason = True, "error"
             out.append(self._delta(req, error=f"{type(exc).__name__}: {exc}"))

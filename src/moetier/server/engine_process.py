@@ -137,7 +137,11 @@ def _serve(eng: Any, cmd_q: Any, out_q: Any) -> None:
             if cmd is not None:
                 _handle(eng, cmd, out_q)
         if eng.has_unfinished():
-            deltas = eng.step()
+            try:
+                deltas = eng.step()
+            except Exception:  # a bug outside the step's own guard: stop, the server reports it
+                log.exception("engine loop failed")
+                return
             if deltas:
                 out_q.put(("deltas", deltas))
         if time.monotonic() - last_stats > _STATS_PERIOD_S:
