@@ -50,6 +50,7 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         progress: bool = True,
         moe_grouped_max_bytes: int | None = None,
+        moe_slot_kernel_max_pairs: int | None = None,
     ) -> None:
         if model is None:
             from moetier.demo.builder import ensure_demo_model
@@ -64,6 +65,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             progress=progress,
             moe_grouped_max_bytes=moe_grouped_max_bytes,
+            moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = Engine(self.config, self.tokenizer)

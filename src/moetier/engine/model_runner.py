@@ -15,6 +15,7 @@ from moetier.config import EngineConfig
 from moetier.engine.batch import SchedulerOutput
 from moetier.engine.kv_cache import KVCache
 from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels.expert_ffn import triton_available
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
 from moetier.models.registry import get_family
@@ -120,9 +121,13 @@ class ModelRunner:
         grouped = config.moe_grouped_max_bytes
         if grouped is None:
             grouped = 256 << 20 if self.device.type == "cuda" else 0
+        slot_kernel = config.moe_slot_kernel_max_pairs
+        if slot_kernel is None:
+            slot_kernel = 256 if self.device.type == "cuda" and triton_available() else 0
         for block in self.model.moe_blocks():
             block.provider = self.expert_cache
             block.grouped_max_bytes = grouped
+            block.slot_kernel_max_pairs = slot_kernel
         self.kv_cache = KVCache(self.device, self.dtype)
         self.generation_config = load_generation_config(self.model_dir)
 

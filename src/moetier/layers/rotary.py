@@ -17,6 +17,12 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+# Distinct (inverse frequencies, scaling) tables -> small ids, so a step cache key is cheap.
+_TABLE_IDS: dict[tuple[tuple[float, ...], float], int] = {}
+# cos/sin of the positions tensor of the current step, shared by all layers of the step.
+_STEP_CACHE: dict[object, Any] = {}
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for `dim` rotary channels; non-default rope types use transformers' math."""
 
@@ -38,11 +44,29 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: models are built on the meta device and this table is
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")
+        table_key = (tuple(self.inv_freq.tolist()), float(self.scaling))
+        self._table_id = _TABLE_IDS.setdefault(table_key, len(_TABLE_IDS))
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, dim] for int positions [T]."""
+        """cos, sin of shape [T, dim] for int positions [T].
+
+        Every layer of a step passes the same positions tensor: the first layer computes the
+        tables, the others reuse them (one entry per distinct table and dtype).
+        """
+        if _STEP_CACHE.get("positions") is not positions:
+            _STEP_CACHE.clear()
+            _STEP_CACHE["positions"] = positions  # held, so its identity is not reused
+        key = (self._table_id, dtype)
+        hit = _STEP_CACHE.get(key)
+        if hit is None:
+            hit = _STEP_CACHE[key] = self._compute(positions, dtype)
+        return hit
+
+    def _compute(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
