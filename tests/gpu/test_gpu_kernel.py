@@ -1,8 +1,8 @@
 """The slot-reading expert kernel on CUDA equals its PyTorch reference (kernels/expert_ffn.py).
 
 fp32: equal to float tolerance. bf16: the kernel's dot products accumulate in a different order
-than cuBLAS, so a rounded intermediate may differ by one unit in the last place; outputs must
-agree to a few bf16 ulps. Run on the GPU machine with `bash scripts/gpu_check.sh`.
+than cuBLAS, so a rounded intermediate may differ by one unit in the last place; the largest
+difference must stay within a few bf16 ulps of the output's scale. Run on the GPU machine with `bash scripts/gpu_check.sh`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,6 @@ def test_kernel_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) ->
     w = torch.rand(t, k, generator=g, device="cuda")
     got = expert_ffn(x, pool, slots, w, i).float()
     want = expert_ffn_reference(x, pool, slots, w, i).float()
-    tol = 1e-4 if dtype == torch.float32 else 4 * 2**-8
-    err = ((got - want).abs() / want.abs().clamp_min(1e-2)).max().item()
-    assert err < tol, f"max relative error {err:.3g}"
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < tol, f"largest difference {err:.3g} of the output's scale"
