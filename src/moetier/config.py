@@ -117,3 +117,6 @@ class EngineConfig:
     # MoE fast path: a step with at most this many (token, expert) pairs is computed by the
     # slot-reading kernel (kernels/expert_ffn.py). None = 256 on CUDA with Triton, off on CPU.
     moe_slot_kernel_max_pairs: int | None = None
+    # RMSNorm and rotary as one Triton kernel each (kernels/rmsnorm_rope.py). None = on for CUDA
+    # when Triton imports, off on the CPU.
+    fused_kernels: bool | None = None

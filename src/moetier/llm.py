@@ -51,6 +51,7 @@ class LLM:
         progress: bool = True,
         moe_grouped_max_bytes: int | None = None,
         moe_slot_kernel_max_pairs: int | None = None,
+        fused_kernels: bool | None = None,
     ) -> None:
         if model is None:
             from moetier.demo.builder import ensure_demo_model
@@ -66,6 +67,7 @@ class LLM:
             progress=progress,
             moe_grouped_max_bytes=moe_grouped_max_bytes,
             moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
+            fused_kernels=fused_kernels,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = Engine(self.config, self.tokenizer)

@@ -2,7 +2,8 @@
 
 fp32: equal to float tolerance. bf16: the kernel's dot products accumulate in a different order
 than cuBLAS, so a rounded intermediate may differ by one unit in the last place; the largest
-difference must stay within a few bf16 ulps of the output's scale. Run on the GPU machine with `bash scripts/gpu_check.sh`.
+difference must stay within a few bf16 ulps of the output's scale. Run on the GPU machine with
+`bash scripts/gpu_check.sh`.
 """
 
 from __future__ import annotations

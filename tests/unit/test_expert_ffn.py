@@ -79,3 +79,33 @@ def test_triton_kernel_matches_reference_in_interpreter() -> None:
         [sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+_NORM_ROPE_CHECK = """
+import torch
+from moetier.kernels.rmsnorm_rope import rmsnorm, rmsnorm_reference, rope, rope_reference
+g = torch.Generator().manual_seed(0)
+for shape in [(3, 64), (2, 5, 48), (1, 100)]:
+    x = torch.randn(shape, generator=g) * 3
+    w = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-6, True), rmsnorm_reference(x, w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+for t, h, d in [(3, 4, 16), (1, 2, 64)]:
+    x = torch.randn(t, h, d, generator=g)
+    ang = torch.randn(t, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    torch.testing.assert_close(rope(x, cos, sin, True), rope_reference(x, cos, sin),
+                               rtol=1e-6, atol=1e-6)
+print("ok")
+"""
+
+
+def test_triton_rmsnorm_and_rope_match_reference_in_interpreter() -> None:
+    pytest.importorskip("triton")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=src)
+    run = subprocess.run(
+        [sys.executable, "-c", _NORM_ROPE_CHECK], env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -18,6 +18,8 @@ from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
+from moetier.layers.norm import RMSNorm
+from moetier.layers.rotary import RotaryEmbedding
 from moetier.models.registry import get_family
 from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
@@ -128,6 +130,12 @@ class ModelRunner:
             block.provider = self.expert_cache
             block.grouped_max_bytes = grouped
             block.slot_kernel_max_pairs = slot_kernel
+        fused = config.fused_kernels
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_available()
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = fused
         self.kv_cache = KVCache(self.device, self.dtype)
         self.generation_config = load_generation_config(self.model_dir)
 

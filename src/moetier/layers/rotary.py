@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetier.kernels.rmsnorm_rope import rope, rope_reference
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope settings as a dict with at least rope_type and rope_theta."""
@@ -44,6 +46,7 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: models are built on the meta device and this table is
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")
+        self.fused = False  # rotate() as one Triton kernel (set by the model runner)
         table_key = (tuple(self.inv_freq.tolist()), float(self.scaling))
         self._table_id = _TABLE_IDS.setdefault(table_key, len(_TABLE_IDS))
 
@@ -73,13 +76,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, d] rotated by this step's cos/sin [T, d]."""
+        return rope(x, cos, sin, self.fused)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, d] rotated by cos/sin [T, d]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    return rope_reference(x, cos, sin)
