@@ -10,8 +10,10 @@ import logging
 import sys
 import time
 
+from moetier.bench.cli import add_bench_parser
 from moetier.config import format_bytes
 from moetier.errors import MoetierError
+from moetier.server.cli import add_serve_parser
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.set_defaults(func=cmd_routing_stats)
     demo = sub.add_parser("build-demo", help="build (once) and print the demo model's directory")
     demo.set_defaults(func=cmd_build_demo)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -101,6 +101,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: tokens per block, how many blocks, and the longest sequence admitted."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None = what kv_cache_bytes buys
+    kv_cache_bytes: Budget = None  # None = 4 GiB on CUDA, 512 MiB on CPU (capped by need)
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs to start: model, device, dtype and the per-concern parts."""
 
@@ -110,6 +120,7 @@ class EngineConfig:
     seed: int = 0
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     progress: bool = True
     # MoE fast path: a wave whose (token, expert) weights fit in this many bytes is computed with
     # one gather and two bmm instead of a loop over experts. None = 256 MiB on CUDA, off on CPU.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import Budget, EngineConfig, OffloadConfig, SchedulerConfig
+from moetier.config import Budget, CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError
@@ -52,6 +52,9 @@ class LLM:
         moe_grouped_max_bytes: int | None = None,
         moe_slot_kernel_max_pairs: int | None = None,
         fused_kernels: bool | None = None,
+        num_kv_blocks: int | None = None,
+        kv_block_size: int = 16,
+        max_model_len: int | None = None,
     ) -> None:
         if model is None:
             from moetier.demo.builder import ensure_demo_model
@@ -64,6 +67,7 @@ class LLM:
             seed=seed,
             offload=OffloadConfig(expert_budget, host_budget, policy),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            cache=CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len),
             progress=progress,
             moe_grouped_max_bytes=moe_grouped_max_bytes,
             moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
@@ -98,13 +102,22 @@ class LLM:
         # Encode and check every prompt before queueing any, so a bad one leaves nothing behind.
         encoded = [self._encode(p) for p in batch]
         for ids in encoded:
-            self.engine.check_prompt(ids)
+            self.engine.check_prompt(ids, params)
         requests = [
             self.engine.add_request(ids, params, p if isinstance(p, str) else None)
             for p, ids in zip(batch, encoded)
         ]
+        mine = {r.request_id for r in requests}
         while self.engine.has_unfinished():
-            self.engine.step()
+            failed = [d for d in self.engine.step() if d.error is not None and d.request_id in mine]
+            if failed:
+                # The engine stays usable: abort this call's other requests, then report.
+                for r in requests:
+                    self.engine.abort(r.request_id)
+                self.engine.step()
+                raise RuntimeError(f"generation failed: {failed[0].error}") from (
+                    self.engine.last_error
+                )
         return [self.engine.to_output(r) for r in requests]
 
     def chat(

@@ -34,3 +34,42 @@ def test_max_num_seqs_limits_admission() -> None:
     s.add(_req(1, 3))
     assert [x.request.request_id for x in s.schedule().scheduled] == [0]
     assert len(s.waiting) == 1
+
+
+def test_preempts_newest_when_blocks_run_out() -> None:
+    from moetier.engine.kv_cache import BlockManager
+
+    blocks = BlockManager(num_blocks=3, block_size=2)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
+    a, b = _req(0, 2), _req(1, 2)
+    s.add(a)
+    s.add(b)
+    assert [x.request.request_id for x in s.schedule().scheduled] == [0, 1]
+    assert blocks.tables == {0: [0], 1: [1]}
+    for r in (a, b):
+        r.num_computed_tokens = 2
+        r.output_token_ids.append(9)
+    # a needs a 2nd block (block 2); then b needs one too and none is left: b (newest) preempts
+    # itself and goes back to the front of the queue with its progress reset
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [(0, 1)]
+    assert s.num_preemptions == 1 and list(s.waiting) == [b] and b.num_computed_tokens == 0
+    assert blocks.tables == {0: [0, 2]}
+    s.finish(a)
+    assert blocks.num_used == 0
+    out = s.schedule()  # b recomputes prompt + its sampled token, then samples the next
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [
+        (1, 3, True)
+    ]
+    blocks.check_integrity()
+
+
+def test_waiting_request_waits_for_blocks() -> None:
+    from moetier.engine.kv_cache import BlockManager
+
+    blocks = BlockManager(num_blocks=2, block_size=2)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
+    s.add(_req(0, 4))
+    s.add(_req(1, 2))
+    assert [x.request.request_id for x in s.schedule().scheduled] == [0]
+    assert [r.request_id for r in s.waiting] == [1]

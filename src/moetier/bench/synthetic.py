@@ -1,33 +1,92 @@
-"""Synthetic checkpoints with real MoE shapes (random bf16 weights) and a decode benchmark.
+"""Synthetic checkpoints with real MoE shapes (random bf16 weights), cached, and a decode bench.
+
+Owns the shape table, the seeded weight fill and the on-disk cache of generated checkpoints
+(`$MOETIER_HOME/synthetic/<shape>-L<layers>-s<seed>/`, reused once its marker file exists); it
+does not measure anything beyond the small legacy decode benchmark at the bottom.
 
 Random weights give near-random routing: results measure the transfer path under uniform
-expert demand, not real-text locality. Say so beside any number this produces.
+expert demand, not real-text locality. Say so beside any number this produces. Deep random
+stacks route degenerately (the hidden state stops depending on the token): use the bench's
+routing override (`--routing uniform` or `trace:PATH`) on them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import queue
+import shutil
 import statistics
+import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+log = logging.getLogger(__name__)
+
+_QWEN3_30B = dict(
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+)
+
+# name: HF config of the shape (without num_hidden_layers); DEFAULT_LAYERS gives the real depth.
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
+    "qwen3-30b-a3b": _QWEN3_30B,
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2",
         hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        first_k_dense_replace=1,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        moe_layer_freq=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        vocab_size=102400,
+        tie_word_embeddings=False,
+        max_position_embeddings=163840,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral",
+        hidden_size=4096,
+        intermediate_size=14336,
         num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
         vocab_size=32000,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
     ),
     "olmoe-1b-7b": dict(
         model_type="olmoe",
@@ -37,40 +96,201 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=16,
         num_experts=64,
         num_experts_per_tok=8,
-        vocab_size=32000,
+        vocab_size=50304,
+    ),
+    # Tiny shapes for CI and CPU smoke runs of the bench (same families, toy widths).
+    "tiny-qwen3": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
+    "tiny-deepseek-v2": dict(
+        model_type="deepseek_v2",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        vocab_size=512,
+        max_position_embeddings=512,
     ),
 }
+DEFAULT_LAYERS = {
+    "qwen3-30b-a3b": 48,
+    "deepseek-v2-lite": 27,
+    "mixtral-8x7b": 32,
+    "olmoe-1b-7b": 16,
+    "tiny-qwen3": 2,
+    "tiny-deepseek-v2": 3,
+}
+MARKER = "synthetic-complete.json"
+_CPU_POOL = 1_000_003  # prime: tiled pool slices never align with expert or row boundaries
 
 
-def write_synthetic(path: Path, shape: str, num_layers: int, seed: int = 0) -> Path:
-    """Write a `num_layers`-layer checkpoint of `shape`, one shard per layer, fused experts."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def moetier_home() -> Path:
+    """$MOETIER_HOME, else ~/.cache/moetier."""
+    return Path(os.environ.get("MOETIER_HOME") or Path.home() / ".cache" / "moetier")
 
+
+def synthetic_dir(shape: str, num_layers: int, seed: int) -> Path:
+    return moetier_home() / "synthetic" / f"{shape}-L{num_layers}-s{seed}"
+
+
+def shape_config(shape: str, num_layers: int) -> Any:
+    """The transformers config of `shape` cut (or grown) to `num_layers` decoder layers."""
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        from moetier.errors import ConfigError
+
+        raise ConfigError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
     spec = dict(SHAPES[shape])
     config = AutoConfig.for_model(spec.pop("model_type"), num_hidden_layers=num_layers, **spec)
     config.dtype = "bfloat16"
+    return config
+
+
+class _Filler:
+    """Seeded bf16 weights; each tensor's values depend only on (seed, name, fill device).
+
+    CUDA: `torch.randn` with a CUDA generator (fast). CPU: small tensors get `randn`; large ones
+    are tiled from one seeded random pool at a per-tensor offset (CPU `randn` is single-threaded
+    and takes minutes at real sizes; the tiling costs a memcpy). The same seed gives different
+    weights on the two fill devices.
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed, self.device = seed, device
+        self._pool: torch.Tensor | None = None
+
+    def _gen(self, name: str) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(
+            self.seed * 1_000_003 + zlib.crc32(name.encode())
+        )
+
+    def __call__(self, name: str, shape: torch.Size) -> torch.Tensor:
+        if "norm" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        scale = 1.0 / max(shape[-1] if len(shape) else 1, 1) ** 0.5
+        numel = shape.numel()
+        gen = self._gen(name)
+        if self.device.type == "cuda":
+            t = torch.randn(shape, generator=gen, device=self.device, dtype=torch.bfloat16)
+            return t.mul_(scale).cpu()
+        if numel <= 1 << 20:
+            return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+        if self._pool is None:
+            pool_gen = torch.Generator().manual_seed(self.seed)
+            self._pool = torch.randn(_CPU_POOL, generator=pool_gen).to(torch.bfloat16)
+        offset = int(torch.randint(_CPU_POOL, (1,), generator=gen))
+        reps = (numel + offset) // _CPU_POOL + 1
+        flat = self._pool.repeat(reps)[offset : offset + numel]
+        return flat.view(shape).mul_(scale)
+
+
+def _shard_of(name: str) -> str:
+    return (
+        f"layer-{int(name.split('.')[2]):03d}.safetensors"
+        if ".layers." in name
+        else ("rest.safetensors")
+    )
+
+
+def write_synthetic(
+    path: Path, shape: str, num_layers: int, seed: int = 0, device: str | None = None
+) -> Path:
+    """Write a `num_layers`-layer checkpoint of `shape` to `path`, one shard per layer.
+
+    Experts are stored fused (`experts.gate_up_proj`, `experts.down_proj`) as transformers saves
+    them. `device`: where to fill (default CUDA when available). A writer thread saves one shard
+    while the next is filled, so a GPU fill runs at disk speed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(shape, num_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(model).__name__]
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
-    gen = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    groups: dict[str, dict[str, torch.Tensor]] = {}
+    fill_dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    filler = _Filler(seed, fill_dev)
+    groups: dict[str, dict[str, torch.Size]] = {}
     for name, p in model.state_dict().items():
-        shard = (
-            f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "rest.safetensors"
-        )
-        if "norm" in name:
-            t = torch.ones(p.shape)
-        else:
-            t = torch.randn(p.shape, generator=gen) * (1.0 / max(p.shape[-1], 1) ** 0.5)
-        groups.setdefault(shard, {})[name] = t.to(torch.bfloat16)
-        weight_map[name] = shard
-    for shard, tensors in groups.items():
-        save_file(tensors, str(path / shard), metadata={"format": "pt"})
+        groups.setdefault(_shard_of(name), {})[name] = p.shape
+    done: queue.Queue[tuple[str, dict[str, torch.Tensor]] | None] = queue.Queue(maxsize=1)
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        while (item := done.get()) is not None:
+            try:
+                save_file(item[1], str(path / item[0]), metadata={"format": "pt"})
+            except BaseException as exc:  # reported by the caller below
+                errors.append(exc)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        for shard, names in groups.items():
+            done.put((shard, {n: filler(n, s).contiguous() for n, s in names.items()}))
+    finally:
+        done.put(None)
+        thread.join()
+    if errors:
+        raise errors[0]
+    weight_map = {n: shard for shard, names in groups.items() for n in names}
     index = {"metadata": {}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def ensure_synthetic(
+    shape: str, num_layers: int | None = None, seed: int = 0, device: str | None = None
+) -> Path:
+    """The cached checkpoint of (shape, layers, seed); generated first when missing or partial.
+
+    The marker file is written last, so an interrupted write is detected and redone.
+    """
+    layers = num_layers or DEFAULT_LAYERS.get(shape, 4)
+    path = synthetic_dir(shape, layers, seed)
+    if (path / MARKER).exists():
+        return path
+    if path.exists():
+        log.warning("removing incomplete synthetic checkpoint %s", path)
+        shutil.rmtree(path)
+    t0 = time.perf_counter()
+    write_synthetic(path, shape, layers, seed, device)
+    fill = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(
+        shape=shape,
+        layers=layers,
+        seed=seed,
+        fill_device=fill,
+        write_s=round(time.perf_counter() - t0, 2),
+    )
+    (path / MARKER).write_text(json.dumps(meta) + "\n")
+    log.info("wrote synthetic %s in %.1f s", path, meta["write_s"])
     return path
 
 

@@ -1,59 +1,213 @@
-"""KV cache: per-sequence, per-layer contiguous buffers that grow by doubling.
+"""Paged KV cache: a pure-Python block manager and per-layer K/V block pools.
 
-Owns K/V memory of running sequences; knows nothing of scheduling or sampling. (A paged block
-allocator replaces this behind the same `append` interface.)
+Owns KV memory (which block belongs to which sequence, and the pool tensors); knows nothing of
+scheduling policy or sampling. The scheduler decides who gets blocks; attention reads and writes
+the pools through the per-step `KVBatch` built by the model runner.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moetier.config import CacheConfig, parse_budget
+from moetier.errors import ConfigError
+from moetier.layers.context import KVBatch
 
-class KVCache:
-    """k/v history per (layer, sequence); `append` returns views of the whole history."""
+# Legend: NB blocks, BS tokens per block, S = NB * BS token slots, Hkv KV heads, d head dim,
+# B decode sequences in a step, L history length (padded to the longest in the step).
 
-    def __init__(
-        self, device: torch.device, dtype: torch.dtype, initial_capacity: int = 64
-    ) -> None:
+
+class BlockManager:
+    """Fixed-size blocks from one free list; one block table (list of block ids) per sequence.
+
+    Blocks are handed out lowest id first and a freed sequence's blocks are reused first (LIFO),
+    so tests can assert exact ids.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> lowest
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """True when `seq_id` can hold `num_tokens` tokens after allocating what it lacks."""
+        have = len(self.tables.get(seq_id, ()))
+        return self.blocks_for(num_tokens) - have <= len(self.free_blocks)
+
+    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Grow `seq_id`'s table to cover `num_tokens` tokens; return the newly added block ids."""
+        table = self.tables.setdefault(seq_id, [])
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > len(self.free_blocks):
+            raise MemoryError(
+                f"KV cache: sequence {seq_id} needs {need} more blocks, {self.num_free} free"
+            )
+        new = [self.free_blocks.pop() for _ in range(max(need, 0))]
+        table.extend(new)
+        return new
+
+    def free(self, seq_id: int) -> int:
+        """Return `seq_id`'s blocks to the free list; the number freed (0 if it had none)."""
+        table = self.tables.pop(seq_id, [])
+        self.free_blocks.extend(reversed(table))
+        return len(table)
+
+    def slot(self, seq_id: int, position: int) -> int:
+        """The flat token slot (block * BS + offset) holding `position` of `seq_id`."""
+        block = self.tables[seq_id][position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def check_integrity(self) -> None:
+        used = [b for t in self.tables.values() for b in t]
+        assert len(used) == len(set(used)), "a block belongs to two sequences"
+        assert not set(used) & set(self.free_blocks), "a used block is also free"
+        assert len(used) + len(self.free_blocks) == self.num_blocks, "blocks leaked"
+
+
+class PagedKVCache:
+    """K and V block pools per layer, allocated on a layer's first write with its K/V shapes."""
+
+    def __init__(self, blocks: BlockManager, device: torch.device) -> None:
+        self.blocks = blocks
         self.device = device
-        self.dtype = dtype
-        self.initial = initial_capacity
-        self._k: dict[tuple[int, int], torch.Tensor] = {}
-        self._v: dict[tuple[int, int], torch.Tensor] = {}
-        self._len: dict[tuple[int, int], int] = {}
+        self._k: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dk]
+        self._v: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dv]
 
-    def append(
-        self, layer: int, seq_id: int, k: torch.Tensor, v: torch.Tensor
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k [q, Hkv, dk], v [q, Hkv, dv] -> full history views [L, Hkv, d*]."""
-        key = (layer, seq_id)
-        n = self._len.get(key, 0)
-        need = n + k.shape[0]
-        buf_k = self._k.get(key)
-        if buf_k is None or buf_k.shape[0] < need:
-            cap = max(self.initial, need, 2 * (buf_k.shape[0] if buf_k is not None else 0))
-            self._grow(key, cap, k, v, n)
-        self._k[key][n:need] = k
-        self._v[key][n:need] = v
-        self._len[key] = need
-        return self._k[key][:need], self._v[key][:need]
+        """Store k [T, Hkv, dk], v [T, Hkv, dv] at slots [T]; return the layer's pools."""
+        if layer not in self._k:
+            # Zeros, not empty: padded decode rows read slot 0 with weight 0, and 0 * NaN is NaN.
+            n = self.blocks.num_blocks * self.blocks.block_size
+            self._k[layer] = torch.zeros(n, *k.shape[1:], dtype=k.dtype, device=self.device)
+            self._v[layer] = torch.zeros(n, *v.shape[1:], dtype=v.dtype, device=self.device)
+        kp, vp = self._k[layer], self._v[layer]
+        kp.index_copy_(0, slots, k.to(kp.dtype))
+        vp.index_copy_(0, slots, v.to(vp.dtype))
+        return kp, vp
 
-    def _grow(
-        self, key: tuple[int, int], cap: int, k: torch.Tensor, v: torch.Tensor, n: int
-    ) -> None:
-        new_k = torch.empty(cap, *k.shape[1:], device=self.device, dtype=k.dtype)
-        new_v = torch.empty(cap, *v.shape[1:], device=self.device, dtype=v.dtype)
-        if n:
-            new_k[:n] = self._k[key][:n]
-            new_v[:n] = self._v[key][:n]
-        self._k[key], self._v[key] = new_k, new_v
-
-    def free(self, seq_id: int) -> None:
-        for key in [key for key in self._len if key[1] == seq_id]:
-            del self._k[key], self._v[key], self._len[key]
-
-    def num_sequences(self) -> int:
-        return len({key[1] for key in self._len})
+    def free(self, seq_id: int) -> int:
+        return self.blocks.free(seq_id)
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+
+    def build_batch(self, spans: list[tuple[int, int, int]], total: int) -> KVBatch:
+        """spans: (seq_id, past, num_new) in flattened order covering `total` tokens."""
+        bs = self.blocks.block_size
+        slot_mapping: list[int] = []
+        dec_rows: list[int] = []
+        dec_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        span_slots: dict[int, torch.Tensor] = {}
+        row = 0
+        for i, (seq, past, n) in enumerate(spans):
+            table = self.blocks.tables[seq]
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(past, past + n))
+            if n == 1:
+                dec_idx.append(i)
+                dec_rows.append(row)
+                dec_tables.append(table)
+                dec_lens.append(past + 1)
+            else:
+                span_slots[i] = self._slots_of(table, past + n)
+            row += n
+        assert row == total
+        out = KVBatch(self._tensor(slot_mapping), span_slots=span_slots)
+        if dec_rows:
+            out.decode_rows = self._tensor(dec_rows)
+            out.decode_spans = tuple(dec_idx)
+            out.decode_slots, out.decode_mask = self._decode_slots(dec_tables, dec_lens)
+        return out
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _slots_of(self, table: list[int], length: int) -> torch.Tensor:
+        bs = self.blocks.block_size
+        blocks = self._tensor(table[: self.blocks.blocks_for(length)])  # [nb]
+        offs = torch.arange(bs, device=self.device)
+        return (blocks[:, None] * bs + offs).flatten()[:length]  # [L]
+
+    def _decode_slots(
+        self, tables: list[list[int]], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables -> history slots [B, L] and mask [B, 1, 1, L], computed on the device."""
+        bs, longest = self.blocks.block_size, max(lengths)
+        width = self.blocks.blocks_for(longest)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
+        offs = torch.arange(bs, device=self.device)
+        slots = (table[:, :, None] * bs + offs).flatten(1)[:, :longest]  # [B, L]
+        lens = self._tensor(lengths)  # [B]
+        mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]  # [B, L]
+        slots = slots.masked_fill(~mask, 0)
+        return slots, mask[:, None, None, :]
+
+
+def default_num_blocks(
+    per_token_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    budget_bytes: int,
+) -> int:
+    """Blocks that `budget_bytes` buys, at most what max_num_seqs full sequences need, and at
+    least one full-length sequence."""
+    per_block = max(per_token_bytes * block_size, 1)
+    per_seq = -(-max_model_len // block_size)
+    return max(min(budget_bytes // per_block, per_seq * max_num_seqs), per_seq)
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """K+V bytes one token takes over all attention layers (as attention writes them)."""
+    from moetier.layers.attention import Attention
+    from moetier.layers.mla import MLAttention
+
+    elems = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            elems += 2 * m.n_kv * m.head_dim
+        elif isinstance(m, MLAttention):
+            elems += m.n_heads * (m.dq + m.dv)  # expanded per-head K/V, not the latent
+    return elems * torch.empty((), dtype=dtype).element_size()
+
+
+def build_kv_cache(
+    cache: CacheConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    model: torch.nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PagedKVCache:
+    """The block manager and pools for `cache` settings (block count from the byte budget)."""
+    if cache.block_size < 1:
+        raise ConfigError(f"KV block size must be at least 1, got {cache.block_size}")
+    num_blocks = cache.num_blocks
+    if num_blocks is None:
+        default = 4 << 30 if device.type == "cuda" else 512 << 20
+        budget = default if cache.kv_cache_bytes is None else None
+        if budget is None:
+            budget = parse_budget(cache.kv_cache_bytes, default, "kv_cache_bytes")
+        num_blocks = default_num_blocks(
+            kv_bytes_per_token(model, dtype), cache.block_size, max_model_len, max_num_seqs, budget
+        )
+    if num_blocks < 1:
+        raise ConfigError(f"KV cache needs at least one block, got num_blocks={num_blocks}")
+    return PagedKVCache(BlockManager(num_blocks, cache.block_size), device)

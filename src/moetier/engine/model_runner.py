@@ -13,7 +13,7 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.engine.batch import SchedulerOutput
-from moetier.engine.kv_cache import KVCache
+from moetier.engine.kv_cache import build_kv_cache
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.layers.context import ForwardContext, SeqSpan
@@ -136,28 +136,51 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.fused = fused
-        self.kv_cache = KVCache(self.device, self.dtype)
+        self.max_model_len = config.cache.max_model_len or int(
+            getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        )
+        self.kv_cache = build_kv_cache(
+            config.cache,
+            config.scheduler.max_num_seqs,
+            self.max_model_len,
+            self.model,
+            self.device,
+            self.dtype,
+        )
         self.generation_config = load_generation_config(self.model_dir)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Run the scheduled tokens; return float32 logits [N, V] for requests that sample."""
+        """Run the scheduled tokens; return float32 logits [N, V] for requests that sample.
+
+        Blocks for the scheduled tokens are allocated here when the scheduler has not already
+        (a no-op for scheduled requests); K/V written by a step that raises sits beyond each
+        request's progress counter and is overwritten when the request runs again.
+        """
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
+        kv_spans: list[tuple[int, int, int]] = []
         last_rows: list[int] = []
+        blocks = self.kv_cache.blocks
         for s in batch.scheduled:
             r, start = s.request, s.request.num_computed_tokens
             chunk = r.all_token_ids[start : start + s.num_new_tokens]
+            blocks.allocate(r.request_id, start + len(chunk))
             spans.append(SeqSpan(r.request_id, len(ids), len(ids) + len(chunk), start))
+            kv_spans.append((r.request_id, start, len(chunk)))
             ids.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
             if s.samples:
                 last_rows.append(len(ids) - 1)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, ForwardContext(spans, pos, self.kv_cache))  # [T, D]
-        return self.model.compute_logits(hidden[last_rows])  # [N, V]
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        kv_batch = self.kv_cache.build_batch(kv_spans, len(ids))
+        ctx = ForwardContext(spans, pos, self.kv_cache, kv_batch)
+        hidden = self.model(input_ids, ctx)  # [T, D]
+        rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows])  # [N, V]
 
-    def free(self, request_id: int) -> None:
-        self.kv_cache.free(request_id)
+    def free(self, request_id: int) -> int:
+        """Free the request's KV blocks; the number freed."""
+        return self.kv_cache.free(request_id)

@@ -1,7 +1,9 @@
 """Decides each step's batch: running sequences first, then new prompts, within a token budget.
 
-Pure Python. One progress counter per request (num_computed_tokens against num_tokens) drives
-prefill, chunked prefill and decode alike.
+Pure Python; owns the waiting and running queues and who holds KV blocks, not the K/V tensors.
+One progress counter per request (num_computed_tokens against num_tokens) drives prefill,
+chunked prefill, decode and recompute after preemption alike: when blocks run out, the newest
+running request is preempted (its blocks freed, its counter reset to 0) and requeued first.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from collections import deque
 from moetier.config import SchedulerConfig
 from moetier.core import Request
 from moetier.engine.batch import ScheduledRequest, SchedulerOutput
+from moetier.engine.kv_cache import BlockManager
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager | None = None) -> None:
         self.config = config
+        self.blocks = blocks  # None: no KV accounting (unit tests of the token budget)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -28,19 +33,66 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for req in self.running:
-            if budget <= 0:
-                break
+        preempted = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n):
+                break  # req was the newest and preempted itself
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
-            self.running.append(req)
+            i += 1
+        # No admissions in a step that had to preempt: the freed blocks are for the older ones.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and preempted == self.num_preemptions
+        ):
+            req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.blocks is not None:
+                if not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + n):
+                    break
+                self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
+            self.waiting.popleft()
+            self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return out
 
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Allocate blocks for req's next n tokens, preempting the newest requests as needed."""
+        if self.blocks is None:
+            return True
+        need = req.num_computed_tokens + n
+        while not self.blocks.can_allocate(req.request_id, need):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        self.blocks.allocate(req.request_id, need)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free req's blocks and requeue it first; it recomputes its tokens when readmitted."""
+        self.running = [r for r in self.running if r is not req]
+        if self.blocks is not None:
+            self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
+        """Remove a running or waiting request and free its blocks."""
+        self.running = [r for r in self.running if r is not request]
+        self.waiting = deque(r for r in self.waiting if r is not request)
+        if self.blocks is not None:
+            self.blocks.free(request.request_id)
+
+    def find(self, request_id: int) -> Request | None:
+        for req in (*self.running, *self.waiting):
+            if req.request_id == request_id:
+                return req
+        return None

@@ -1,7 +1,8 @@
 """Attention over a flattened batch: standard GQA projections and the shared attention core.
 
-The core appends this step's K/V to the kv store and attends each sequence's queries to its
-whole history with a causal offset. It owns no weights of MLA (see mla.py, which reuses the core).
+The core writes this step's K/V into the paged KV cache and attends each sequence's queries to
+its whole history (read through its block table) with a causal offset. It owns no weights of
+MLA (see mla.py, which reuses the core).
 """
 
 from __future__ import annotations
@@ -27,25 +28,54 @@ def attend(
     v: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal."""
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    groups = q.shape[1] // k.shape[1]
-    for span in ctx.spans:
-        k_all, v_all = ctx.kv.append(
-            layer, span.seq_id, k[span.start : span.end], v[span.start : span.end]
+    """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
+
+    Writes this step's K/V into the paged pools, then reads each sequence's history through its
+    block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
+    longer chunk (prefill) in its own call with a causal mask offset by the cached tokens. GQA
+    heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
+    """
+    meta = ctx.kv_batch
+    k_pool, v_pool = ctx.kv.write(layer, k, v, meta.slot_mapping)  # [S, Hkv, d*]
+    if len(meta.decode_spans) == len(ctx.spans):
+        out: torch.Tensor | None = None  # every row is a decode row: no scatter needed
+    else:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if meta.decode_rows is not None:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]
+        kd = k_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dk]
+        vd = v_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dv]
+        dec = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)  # [B, H, dv]
+        if out is None:
+            return dec
+        out[meta.decode_rows] = dec
+    assert out is not None
+    for i, slots in (meta.span_slots or {}).items():
+        span = ctx.spans[i]
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
+        ks = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dk]
+        vs = v_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dv]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=_causal_mask(ctx, i, q.device), scale=scale, enable_gqa=True
         )
-        qs = q[span.start : span.end].transpose(0, 1)  # [H, q, dk]
-        ks = k_all.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, L, dk]
-        vs = v_all.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, L, dv]
-        n_q, n_kv = qs.shape[1], ks.shape[1]
-        mask = None
-        if n_q > 1:
-            # query i sits at position past + i and sees keys 0 .. past + i
-            rows = torch.arange(n_q, device=q.device)[:, None] + span.past
-            mask = torch.arange(n_kv, device=q.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[span.start : span.end] = o.transpose(0, 1)
+        out[span.start : span.end] = o[0].transpose(0, 1)
     return out
+
+
+def _causal_mask(ctx: ForwardContext, i: int, device: torch.device) -> torch.Tensor:
+    """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j."""
+    key = ("causal_mask", i)
+    mask = ctx.memo.get(key)
+    if mask is None:
+        span = ctx.spans[i]
+        n_q = span.end - span.start
+        rows = torch.arange(n_q, device=device)[:, None] + span.past
+        mask = torch.arange(span.past + n_q, device=device)[None, :] <= rows
+        ctx.memo[key] = mask
+    return mask
 
 
 class Attention(nn.Module):

@@ -1,7 +1,7 @@
 """The per-step forward context handed from the model runner to every layer.
 
-Describes which flattened tokens belong to which sequence and where its KV lives; no tensors
-are owned here beyond positions.
+Describes which flattened tokens belong to which sequence and where its KV lives (slots of the
+paged KV cache); no tensors are owned here beyond positions and KV addressing.
 """
 
 from __future__ import annotations
@@ -13,13 +13,31 @@ import torch
 
 
 class KVStore(Protocol):
-    """What attention needs from the KV cache: append this step's K/V, get the whole history."""
+    """What attention needs from the KV cache: write this step's K/V, get the layer's pools."""
 
-    def append(
-        self, layer: int, seq_id: int, k: torch.Tensor, v: torch.Tensor
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k [q, Hkv, Dk], v [q, Hkv, Dv]; return the sequence's k, v [L, Hkv, D*]."""
+        """Store k [T, Hkv, dk], v [T, Hkv, dv] at flat slots [T]; return pools [S, Hkv, d*]."""
         ...
+
+
+@dataclass
+class KVBatch:
+    """One step's KV addressing, built once by the runner and read by every attention layer.
+
+    slot_mapping [T]: the flat slot each new token's K/V goes to. Decode rows (one query token
+    per sequence) are attended together: `decode_rows` [B] index the flattened batch,
+    `decode_slots` [B, L] the history slots (padded with slot 0), `decode_mask` [B, 1, 1, L]
+    which of them are real. Other spans (prefill chunks) use `span_slots[i]` [L_i] each.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    decode_spans: tuple[int, ...] = ()  # indexes into ctx.spans
+    span_slots: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -34,11 +52,12 @@ class SeqSpan:
 
 @dataclass
 class ForwardContext:
-    """One step's batch layout: spans per sequence, token positions [T], and the KV store."""
+    """One step's batch layout: spans per sequence, positions [T], the KV store and addressing."""
 
     spans: list[SeqSpan]
     positions: torch.Tensor  # [T] int64
     kv: KVStore
+    kv_batch: KVBatch
     # Per-step memo for values every layer would otherwise recompute (rotary cos/sin tables),
     # keyed by whoever fills it; lives for one forward only.
     memo: dict[Any, Any] = field(default_factory=dict)

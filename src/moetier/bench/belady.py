@@ -1,0 +1,106 @@
+"""Belady's optimal expert-slot schedule on a routing trace, with the engine's slot semantics.
+
+Owns the offline optimum only (no timing, no tensors). The semantics mirror the engine's
+device tier: one global pool of S slots shared by all MoE layers; a layer call needs its
+distinct experts (ascending) resident at once, split by the caller into waves of at most S;
+a miss evicts a resident expert that is not part of the current wave. Belady evicts the one
+whose next use lies farthest in the future (never used again first). Since all experts of a
+wave are requested at the same moment, the wave is the unit of time; the farthest-next-use
+rule is optimal for that problem too (tests check it against brute force).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moetier.bench.trace import TraceRecord
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class BeladyResult:
+    requests: int  # expert lookups (distinct experts per layer call), counted steps only
+    misses: int  # loads into a slot, counted steps only
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.misses / self.requests if self.requests else 1.0
+
+
+def waves(records: Sequence[TraceRecord], num_slots: int) -> list[tuple[int, list[Key]]]:
+    """(step, keys) per wave, in execution order: each call's distinct experts in chunks of S."""
+    out: list[tuple[int, list[Key]]] = []
+    for r in records:
+        experts = r.distinct()
+        for w0 in range(0, len(experts), num_slots):
+            out.append((r.step, [(r.layer, e) for e in experts[w0 : w0 + num_slots]]))
+    return out
+
+
+def belady(
+    records: Sequence[TraceRecord],
+    num_slots: int,
+    counted_steps: set[int] | None = None,
+    initial: Sequence[Key] = (),
+) -> BeladyResult:
+    """Minimum number of slot loads for `records` with `num_slots` slots.
+
+    `initial`: keys resident before the first record (at most S). Only waves whose step is in
+    `counted_steps` (None: all) count toward the result; earlier steps still shape the state,
+    which is how the simulation is warmed up like the engine was.
+    """
+    if num_slots < 1:
+        raise ValueError("need at least one slot")
+    sched = waves(records, num_slots)
+    # next_use[i][j]: index of the next wave after i that needs sched[i][1][j] (inf if none)
+    inf = len(sched)
+    next_use: list[list[int]] = [[] for _ in sched]
+    upcoming: dict[Key, int] = {}
+    for i in range(len(sched) - 1, -1, -1):
+        keys = sched[i][1]
+        next_use[i] = [upcoming.get(k, inf) for k in keys]
+        for k in keys:
+            upcoming[k] = i
+    resident: dict[Key, int] = {}  # key -> index of its next use (from the current time)
+    heap: list[tuple[int, Key]] = []  # (-next use, key); stale entries skipped lazily
+    for k in list(dict.fromkeys(initial))[:num_slots]:
+        resident[k] = upcoming.get(k, inf)
+        heapq.heappush(heap, (-resident[k], k))
+    requests = misses = 0
+    for i, (step, keys) in enumerate(sched):
+        counted = counted_steps is None or step in counted_steps
+        requests += len(keys) if counted else 0
+        in_wave = set(keys)
+        for k in keys:
+            if k in resident:
+                continue
+            if counted:
+                misses += 1
+            if len(resident) >= num_slots:
+                _evict(resident, heap, in_wave)
+            resident[k] = i  # placeholder; set to its next use below
+        for k, nxt in zip(keys, next_use[i]):
+            resident[k] = nxt
+            heapq.heappush(heap, (-nxt, k))
+    return BeladyResult(requests, misses)
+
+
+def _evict(resident: dict[Key, int], heap: list[tuple[int, Key]], in_wave: set[Key]) -> None:
+    """Remove the resident key outside the wave whose next use is farthest."""
+    held: list[tuple[int, Key]] = []
+    while heap:
+        neg, k = heapq.heappop(heap)
+        if resident.get(k) != -neg:
+            continue  # stale: evicted, or its next use has moved
+        if k in in_wave:
+            held.append((neg, k))
+            continue
+        del resident[k]
+        break
+    else:
+        raise AssertionError("no evictable slot: a wave is larger than the pool")
+    for item in held:
+        heapq.heappush(heap, item)

@@ -1,0 +1,240 @@
+"""`moetier bench latency | gate | plot`: argument parsing for the bench, then hand-off.
+
+Owns the bench subcommands' flags only; the measurement lives in latency.py and gate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def parse_kv(text: str) -> dict[str, Any]:
+    """ "policy=lfu expert_budget=25% moe_grouped_max_bytes=0" -> dict (ints parsed, none=None)."""
+    from moetier.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for item in text.split():
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r} in {text!r}")
+        key, value = item.split("=", 1)
+        out[key.strip().replace("-", "_")] = _value(value)
+    return out
+
+
+def _value(v: str) -> Any:
+    if v.lower() in ("none", "null"):
+        return None
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v) if "." in v and not v.endswith("%") else v
+    except ValueError:
+        return v
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Register `bench` and its subcommands on the top-level subparsers."""
+    bench = sub.add_parser("bench", help="latency against the bound and the baselines; ship gate")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    lat = bsub.add_parser("latency", help="TTFT/TPOT per expert budget, with the bound")
+    _add_latency_args(lat)
+    lat.set_defaults(func=cmd_latency)
+    gate = bsub.add_parser("gate", help="the ship gate: candidate vs baseline settings")
+    _add_gate_args(gate)
+    gate.set_defaults(func=cmd_gate)
+    syn = bsub.add_parser(
+        "synthetic", help="generate (once) a synthetic checkpoint; print its path"
+    )
+    syn.add_argument("shape")
+    syn.add_argument("--layers", type=int, default=None)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--fill-device", default=None, help="default: cuda when available")
+    syn.set_defaults(func=cmd_synthetic)
+    plot = bsub.add_parser("plot", help="PNG plots from a saved latency result JSON")
+    plot.add_argument("result", help="a --save-result JSON file")
+    plot.add_argument("--out-dir", default=None, help="default: next to the JSON")
+    plot.set_defaults(func=cmd_plot)
+
+
+def _add_latency_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="Hugging Face model directory")
+    src.add_argument(
+        "--synthetic",
+        default=None,
+        help="synthetic shape (qwen3-30b-a3b, deepseek-v2-lite, mixtral-8x7b, olmoe-1b-7b, "
+        "tiny-qwen3, tiny-deepseek-v2), generated once under $MOETIER_HOME/synthetic",
+    )
+    p.add_argument("--layers", type=int, default=None, help="synthetic depth (default: real)")
+    p.add_argument(
+        "--expert-budget",
+        default="100%,25%,10%",
+        help="comma-separated budgets run in one process; 100%% always runs first as reference",
+    )
+    p.add_argument("--host-budget", default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="prompts, sampling, uniform routing")
+    p.add_argument(
+        "--weights-seed", type=int, default=None, help="synthetic weights (default: --seed)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="warm-up batches per budget")
+    p.add_argument(
+        "--routing",
+        default="model",
+        help="model (the routers), uniform (seeded top-k draws) or trace:PATH (replay)",
+    )
+    p.add_argument("--policy", default="lru")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--set",
+        default="",
+        metavar="K=V ...",
+        help="extra LLM settings, e.g. 'moe_grouped_max_bytes=0'",
+    )
+    p.add_argument("--profile-steps", type=int, default=8, help="CUDA: decode steps profiled")
+    p.add_argument(
+        "--compare", default="", help="comma-separated baselines: transformers,accelerate"
+    )
+    p.add_argument("--accelerate-output-len", type=int, default=4)
+    p.add_argument("--save-result", default=None, metavar="FILE.json")
+    p.add_argument("--save-trace", default=None, metavar="FILE.jsonl", help="100%% run's trace")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_gate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baseline", default="", help="k=v settings of the current default")
+    p.add_argument("--candidate", required=True, help="k=v settings of the candidate")
+    p.add_argument("--name", default=None, help="result file name (default: from the candidate)")
+    p.add_argument("--shapes", default="tiny-qwen3,tiny-deepseek-v2")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--expert-budget", default="25%", help="the budget both sides run at")
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--routing", default="uniform")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--noise", type=float, default=0.05, help="tokens/s may drop by this share (0.05)"
+    )
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def latency_settings(args: argparse.Namespace) -> Any:
+    from moetier.bench.latency import LatencySettings
+
+    return LatencySettings(
+        model=args.model,
+        synthetic=args.synthetic,
+        layers=args.layers,
+        budgets=[b for b in args.expert_budget.split(",") if b.strip()],
+        host_budget=args.host_budget,
+        batch_size=args.batch_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=max(args.num_prompts, args.batch_size),
+        seed=args.seed,
+        weights_seed=args.weights_seed,
+        warmup=args.warmup,
+        routing=args.routing,
+        device=args.device,
+        dtype=args.dtype,
+        policy=args.policy,
+        compare=[c for c in args.compare.split(",") if c.strip()],
+        profile_steps=args.profile_steps,
+        accelerate_output_len=args.accelerate_output_len,
+        save_trace=args.save_trace,
+        llm_kwargs=parse_kv(args.set),
+        progress=not args.no_progress,
+    )
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from moetier.bench.latency import run_latency
+    from moetier.bench.report import latency_table, save_json
+
+    result = run_latency(latency_settings(args))
+    print(latency_table(result))
+    if args.save_result:
+        save_json(args.save_result, result)
+        print(f"\nsaved {args.save_result}", file=sys.stderr)
+    plot_dir = args.plot
+    if plot_dir:
+        _plot(result, plot_dir, "latency")
+    return 0
+
+
+def _plot(result: dict[str, Any], out_dir: str, stem: str) -> None:
+    from moetier.bench.plots import write_plots
+
+    try:
+        paths = write_plots(result, out_dir, stem)
+    except ImportError as exc:
+        print(
+            f"plots skipped: {exc} (run `moetier bench plot RESULT.json` elsewhere)",
+            file=sys.stderr,
+        )
+        return
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
+    import time
+
+    from moetier.bench.synthetic import ensure_synthetic
+
+    t0 = time.perf_counter()
+    path = ensure_synthetic(args.shape, args.layers, args.seed, args.fill_device)
+    print(path)
+    print(f"ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    path = Path(args.result)
+    result = json.loads(path.read_text())
+    _plot(result, args.out_dir or str(path.parent), path.stem)
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from moetier.bench.gate import GateSettings, run_gate
+
+    settings = GateSettings(
+        baseline=parse_kv(args.baseline),
+        candidate=parse_kv(args.candidate),
+        name=args.name,
+        shapes=[s for s in args.shapes.split(",") if s.strip()],
+        layers=args.layers,
+        seeds=[int(x) for x in args.seeds.split(",") if x.strip()],
+        expert_budget=args.expert_budget,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        batch_size=args.batch_size,
+        routing=args.routing,
+        device=args.device,
+        dtype=args.dtype,
+        noise=args.noise,
+        out_dir=args.out_dir,
+        progress=not args.no_progress,
+    )
+    text, verdict = run_gate(settings)
+    print(text)
+    return 0 if verdict in ("SHIP", "NO-SHIP") else 1

@@ -1,0 +1,155 @@
+"""`moetier bench gate`: the protocol's ship gate, candidate settings against baseline settings.
+
+Owns the verdict rule and its report; the measurements come from latency.py. Both sides run
+the same latency protocol on every (shape, seed) pair, alternating which side goes first. The
+verdict is SHIP only when the candidate
+  1. lowers exposed fetch time per token over all pairs together (sum), and is not higher
+     than the baseline by more than the noise threshold in any pair, and
+  2. does not lower tokens/s by more than the noise threshold in any pair.
+The third rule of the protocol (on-demand misses stay the fastest service class) needs a
+prefetcher's counters and is reported as not checked. Every verdict, NO-SHIP included, is
+written as markdown and JSON under the results folder.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from moetier.bench.latency import LatencySettings, run_latency
+from moetier.bench.report import save_json
+
+_BENCH_KEYS = {f.name for f in fields(LatencySettings)} - {"llm_kwargs", "budgets"}
+
+
+@dataclass
+class GateSettings:
+    baseline: dict[str, Any]
+    candidate: dict[str, Any]
+    name: str | None = None
+    shapes: list[str] = field(default_factory=lambda: ["tiny-qwen3", "tiny-deepseek-v2"])
+    layers: int | None = None
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    expert_budget: str = "25%"
+    input_len: int = 16
+    output_len: int = 16
+    batch_size: int = 1
+    routing: str = "uniform"
+    device: str = "auto"
+    dtype: str = "auto"
+    noise: float = 0.05
+    out_dir: str = "bench/results"
+    progress: bool = True
+
+
+def side_settings(g: GateSettings, kv: dict[str, Any], shape: str, seed: int) -> LatencySettings:
+    """LatencySettings of one side: bench keys from k=v, everything else goes to LLM(...)."""
+    kv = dict(kv)
+    budget = str(kv.pop("expert_budget", g.expert_budget))
+    bench = {k: kv.pop(k) for k in list(kv) if k in _BENCH_KEYS}
+    base: dict[str, Any] = dict(
+        synthetic=shape,
+        layers=g.layers,
+        budgets=["100%", budget],
+        batch_size=g.batch_size,
+        num_prompts=g.batch_size,
+        input_len=g.input_len,
+        output_len=g.output_len,
+        seed=seed,
+        routing=g.routing,
+        device=g.device,
+        dtype=g.dtype,
+        progress=g.progress,
+    )
+    base.update(bench)
+    return LatencySettings(**base, llm_kwargs=kv)
+
+
+def _row(result: dict[str, Any]) -> dict[str, Any]:
+    """The offloaded configuration of a side's result (the last one; 100% is the reference)."""
+    return dict(result["configs"][-1])
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-").lower()[:60] or "gate"
+
+
+def judge(pairs: list[dict[str, Any]], noise: float) -> tuple[str, list[str]]:
+    """SHIP or NO-SHIP, with the reasons a NO-SHIP failed (see module docstring)."""
+    reasons = []
+    base_sum = sum(p["baseline"]["exposed_fetch_ms_per_token"] for p in pairs)
+    cand_sum = sum(p["candidate"]["exposed_fetch_ms_per_token"] for p in pairs)
+    if not cand_sum < base_sum:
+        reasons.append(
+            f"exposed fetch not lower overall ({cand_sum:.3f} vs {base_sum:.3f} ms/token summed)"
+        )
+    for p in pairs:
+        b, c, tag = p["baseline"], p["candidate"], f"{p['shape']} seed {p['seed']}"
+        if c["exposed_fetch_ms_per_token"] > b["exposed_fetch_ms_per_token"] * (1 + noise):
+            reasons.append(f"{tag}: exposed fetch higher beyond noise")
+        if c["tokens_per_s"] < b["tokens_per_s"] * (1 - noise):
+            reasons.append(f"{tag}: tokens/s lower beyond noise")
+    return ("SHIP" if not reasons else "NO-SHIP"), reasons
+
+
+def gate_table(g: GateSettings, pairs: list[dict[str, Any]], verdict: str, why: list[str]) -> str:
+    lines = [
+        f"# ship gate: {verdict}",
+        "",
+        f"baseline: `{_kv(g.baseline)}`  candidate: `{_kv(g.candidate)}`",
+        f"expert budget {g.expert_budget}, routing {g.routing}, batch {g.batch_size}, input "
+        f"{g.input_len}, output {g.output_len}, device {g.device}, dtype {g.dtype}, noise "
+        f"threshold {g.noise:.0%}",
+        "",
+        "| shape | seed | exposed fetch ms/tok base | cand | ratio | tok/s base | cand | ratio "
+        "| TPOT ms base | cand | hit base | cand |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        b, c = p["baseline"], p["candidate"]
+        eb, ec = b["exposed_fetch_ms_per_token"], c["exposed_fetch_ms_per_token"]
+        tb, tc = b["tokens_per_s"], c["tokens_per_s"]
+        lines.append(
+            f"| {p['shape']} | {p['seed']} | {eb:.3f} | {ec:.3f} | {ec / eb if eb else 0:.2f} "
+            f"| {tb:.1f} | {tc:.1f} | {tc / tb if tb else 0:.2f} | {b['tpot_ms']:.2f} "
+            f"| {c['tpot_ms']:.2f} | {b['device_hit_rate']:.3f} | {c['device_hit_rate']:.3f} |"
+        )
+    lines += ["", f"verdict: **{verdict}**"]
+    lines += [f"- {r}" for r in why]
+    lines.append("- not checked: on-demand misses stay the fastest service class (no prefetcher)")
+    return "\n".join(lines)
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items()) or "(defaults)"
+
+
+def run_gate(g: GateSettings) -> tuple[str, str]:
+    """Run every pair, write the table and JSON, return (markdown, verdict)."""
+    pairs = []
+    for shape in g.shapes:
+        for i, seed in enumerate(g.seeds):
+            sides = [("baseline", g.baseline), ("candidate", g.candidate)]
+            if i % 2:
+                sides.reverse()  # alternate who runs first: warm caches and clocks even out
+            pair: dict[str, Any] = {"shape": shape, "seed": seed}
+            for side, kv in sides:
+                pair[side] = _row(run_latency(side_settings(g, kv, shape, seed)))
+            pairs.append(pair)
+    verdict, why = judge(pairs, g.noise)
+    text = gate_table(g, pairs, verdict, why)
+    name = g.name or _slug(_kv(g.candidate))
+    stem = Path(g.out_dir) / f"{dt.date.today().isoformat()}-gate-{name}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.md").write_text(text + "\n")
+    record = {
+        "verdict": verdict,
+        "reasons": why,
+        "settings": {k: v for k, v in vars(g).items()},
+        "pairs": pairs,
+    }
+    save_json(f"{stem}.json", record)
+    return text + f"\n\nwrote {stem}.md and .json", verdict

@@ -1,0 +1,372 @@
+"""One measured configuration (expert budget x routing): step timings, counters, device time.
+
+Owns the step driver (one device sync per engine step, the trace's step and request tags,
+decode-only counter deltas), the profiled pass (CUDA kernel time, separate from the timed pass)
+and the per-configuration metrics. The run as a whole (budgets, bound, baselines) is latency.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetier.bench.routing_override import RoutingSource, install
+from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecorder
+
+if TYPE_CHECKING:
+    from moetier.bench.latency import LatencySettings
+
+_COUNTERS = (
+    "requests",
+    "device_hits",
+    "host_hits",
+    "disk_reads",
+    "evictions",
+    "bytes_host_to_device",
+    "bytes_disk_to_host",
+    "exposed_fetch_s",
+)
+GREEDY_CHECK_TOKENS = 8
+
+
+@dataclass
+class ConfigRun:
+    """One expert budget's measurements, before the cross-config figures are added."""
+
+    metrics: dict[str, Any]
+    tokens: list[list[int]]
+    trace: RoutingTrace
+    decode_steps: set[int]
+    num_slots: int
+    total_experts: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):  # resets VmHWM (Linux); elsewhere the peak is global
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class _Iteration:
+    step_s: list[float]
+    decode: list[bool]
+    ttft_s: float
+    wall_s: float
+    tokens: list[list[int]]
+
+
+class _Driver:
+    """Steps an engine over a batch of requests, timing each step and tagging the trace."""
+
+    def __init__(self, llm: Any, recorder: TraceRecorder, bar: Any) -> None:
+        self.llm, self.engine = llm, llm.engine
+        self.device: torch.device = llm.engine.runner.device
+        self.recorder, self.bar = recorder, bar
+        self.step = 0
+        self.counters = dict.fromkeys(_COUNTERS, 0.0)  # decode steps of the timed pass
+        self.decode_steps: set[int] = set()
+        self._scheduled: list[Any] = []
+        scheduler = self.engine.scheduler
+        original = scheduler.schedule  # bound method; the instance attribute shadows it
+
+        def schedule() -> Any:  # records which request each token of the step belongs to
+            out = original()
+            self._scheduled = list(out.scheduled)
+            recorder.token_requests = [
+                s.request.request_id for s in out.scheduled for _ in range(s.num_new_tokens)
+            ]
+            return out
+
+        scheduler.schedule = schedule
+        self._unwrap = lambda: delattr(scheduler, "schedule")
+
+    def close(self) -> None:
+        """Give the scheduler back its own schedule()."""
+        self._unwrap()
+
+    def _stats(self) -> dict[str, float]:
+        d = self.llm.offload_stats()
+        return {k: float(d[k]) for k in _COUNTERS}
+
+    def run(self, prompts: list[list[int]], max_tokens: int, seed: int, timed: bool) -> _Iteration:
+        from moetier import SamplingParams
+
+        reqs = [
+            self.engine.add_request(
+                p,
+                SamplingParams(
+                    max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True
+                ),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        step_s: list[float] = []
+        decode: list[bool] = []
+        ttft = -1.0
+        _sync(self.device)
+        start = time.perf_counter()
+        while self.engine.has_unfinished():
+            before = self._stats() if timed else None
+            self.recorder.step = self.step
+            t0 = time.perf_counter()
+            self.engine.step()
+            _sync(self.device)
+            t1 = time.perf_counter()
+            step_s.append(t1 - t0)
+            is_decode = bool(self._scheduled) and all(
+                s.request.num_computed_tokens - s.num_new_tokens >= len(s.request.prompt_token_ids)
+                for s in self._scheduled
+            )
+            decode.append(is_decode)
+            if ttft < 0 and all(r.output_token_ids for r in reqs):
+                ttft = t1 - start
+            if timed and is_decode and before is not None:
+                after = self._stats()
+                for k in _COUNTERS:
+                    self.counters[k] += after[k] - before[k]
+                self.decode_steps.add(self.step)
+            self.step += 1
+            self.bar.update(1)
+        wall = time.perf_counter() - start
+        return _Iteration(step_s, decode, ttft, wall, [list(r.output_token_ids) for r in reqs])
+
+    def profile(self, prompts: list[list[int]], steps: int, seed: int) -> Any:
+        """Kernel time of `steps` decode steps of a fresh batch (CUDA only; not recorded)."""
+        from moetier import SamplingParams
+        from moetier.bench.profiling import profile_steps
+
+        for i, p in enumerate(prompts):
+            params = SamplingParams(
+                max_tokens=steps + 2, temperature=1.0, seed=seed + i, ignore_eos=True
+            )
+            self.engine.add_request(p, params)
+        self.engine.step()  # prefill, not profiled
+        self.engine.step()
+        result = profile_steps(lambda: self.engine.step(), steps)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return result
+
+
+def run_budget(
+    path: Path,
+    budget: str,
+    s: LatencySettings,
+    routings: list[tuple[str, RoutingSource | None]],
+    prompts: list[list[int]],
+    warm_prompts: list[list[int]],
+) -> list[ConfigRun]:
+    """Load the model once at `budget` and measure it under each routing in turn."""
+    from moetier import LLM
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    t_load = time.perf_counter()
+    llm = LLM(
+        str(path),
+        expert_budget=None if budget == "100%" else budget,
+        host_budget=s.host_budget,
+        device=s.device,
+        dtype=s.dtype,
+        seed=s.seed,
+        policy=s.policy,
+        progress=False,
+        **s.llm_kwargs,
+    )
+    load_s = time.perf_counter() - t_load
+    try:
+        return [
+            measure(llm, budget, s, spec, source, prompts, warm_prompts, load_s)
+            for spec, source in routings
+        ]
+    finally:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            host_empty = getattr(torch._C, "_host_emptyCache", None)
+            if host_empty is not None:  # give cached pinned host memory back before the next load
+                host_empty()
+
+
+def measure(
+    llm: Any,
+    budget: str,
+    s: LatencySettings,
+    spec: str,
+    source: RoutingSource | None,
+    prompts: list[list[int]],
+    warm_prompts: list[list[int]],
+    load_s: float,
+) -> ConfigRun:
+    """One (budget, routing) configuration (see the module docstring for the protocol)."""
+    from tqdm.auto import tqdm
+
+    device: torch.device = llm.engine.runner.device
+    blocks = llm.engine.runner.model.moe_blocks()
+    undo = install(blocks, source) if source is not None else None
+    if source is not None:
+        source.reset()
+    plan = llm.offload_stats()
+    header = TraceHeader(
+        int(llm.engine.runner.hf_config.num_hidden_layers),
+        int(llm.engine.runner.num_experts),
+        int(llm.engine.runner.top_k),
+        [int(b.layer) for b in blocks],
+        int(plan["expert_bytes"]),
+    )
+    recorder = TraceRecorder(header)
+    recorder.attach(blocks)
+    b = s.batch_size
+    iters = max(1, math.ceil(s.num_prompts / b))
+    warm_tokens = min(8, s.output_len)
+    total = s.warmup * warm_tokens + iters * s.output_len
+    desc = f"{budget} {spec.split(':')[0]}"
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not s.progress, file=sys.stderr)
+    driver = _Driver(llm, recorder, bar)
+    try:
+        for w in range(s.warmup):
+            driver.run(warm_prompts[:b], warm_tokens, s.seed + 10_000 + w * b, timed=False)
+        llm.engine.runner.stats.reset()
+        reset_peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        its = [
+            driver.run(prompts[i * b : (i + 1) * b], s.output_len, s.seed + i * b, timed=True)
+            for i in range(iters)
+        ]
+        recorder.detach()
+        greedy = _greedy_tokens(llm, prompts[0], s) if budget == "100%" and spec == "model" else []
+        device_time = None
+        if device.type == "cuda" and s.profile_steps > 0:
+            device_time = driver.profile(warm_prompts[:b], s.profile_steps, s.seed + 20_000)
+        peak_dev = (
+            int(torch.cuda.max_memory_allocated(device))
+            if device.type == "cuda"
+            else _resident_bytes(llm)
+        )
+        peak_rss = peak_rss_bytes()
+    finally:
+        bar.close()
+        driver.close()
+        recorder.detach()
+        if undo is not None:
+            undo()
+    metrics = _metrics(its, driver, device_time, plan, budget, load_s)
+    label = source.label if source is not None else "model routers"
+    metrics.update(
+        routing=spec, routing_label=label, peak_device_bytes=peak_dev, peak_host_rss_bytes=peak_rss
+    )
+    if greedy:
+        metrics["greedy_tokens"] = greedy
+    return ConfigRun(
+        metrics,
+        [t for it in its for t in it.tokens],
+        recorder.trace,
+        driver.decode_steps,
+        int(plan["device_slots"]),
+        int(plan["total_experts"]),
+    )
+
+
+def _greedy_tokens(llm: Any, prompt: list[int], s: LatencySettings) -> list[int]:
+    """Greedy tokens of the first prompt, for the transformers agreement check (else [])."""
+    from moetier import SamplingParams
+
+    if "transformers" not in s.compare:
+        return []
+    params = SamplingParams(max_tokens=GREEDY_CHECK_TOKENS, temperature=0.0, ignore_eos=True)
+    return list(llm.generate([prompt], params)[0].outputs[0].token_ids)
+
+
+def _resident_bytes(llm: Any) -> int:
+    """CPU stand-in for peak device bytes: model parameters and buffers plus the slot pool."""
+    model = llm.engine.runner.model
+    tensors = list(model.parameters()) + list(model.buffers())
+    params = sum(t.numel() * t.element_size() for t in tensors)
+    cache = llm.engine.runner.expert_cache
+    return int(params + cache.num_slots * llm.offload_stats()["expert_bytes"])
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _metrics(
+    its: list[_Iteration],
+    driver: _Driver,
+    device_time: Any,
+    plan: dict[str, float],
+    budget: str,
+    load_s: float,
+) -> dict[str, Any]:
+    itl = [t for it in its for t, d in zip(it.step_s, it.decode) if d]
+    n = max(len(itl), 1)
+    tpot = statistics.median(itl) * 1e3 if itl else float("nan")
+    tokens = sum(len(t) for it in its for t in it.tokens)
+    wall = sum(it.wall_s for it in its)
+    c = driver.counters
+    if device_time is not None:
+        gpu_busy, launches = device_time.kernel_ms_per_step, device_time.launches_per_step
+        copy_ms = device_time.copy_ms_per_step
+    else:  # CPU: the compute device is the host, so a step is all "busy"
+        gpu_busy, launches, copy_ms = tpot, 0.0, 0.0
+    lookups = max(c["requests"], 1.0)
+    return dict(
+        budget=budget,
+        device_slots=int(plan["device_slots"]),
+        total_experts=int(plan["total_experts"]),
+        budget_fraction=plan["device_slots"] / max(plan["total_experts"], 1),
+        budget_bytes=int(plan["device_slots"] * plan["expert_bytes"]),
+        host_rows=int(plan["host_rows"]),
+        expert_bytes=int(plan["expert_bytes"]),
+        load_s=load_s,
+        ttft_ms=statistics.median(it.ttft_s for it in its) * 1e3,
+        tpot_ms=tpot,
+        itl_p50_ms=_pct(itl, 0.5) * 1e3,
+        itl_p99_ms=_pct(itl, 0.99) * 1e3,
+        e2e_latency_ms=statistics.median(it.wall_s for it in its) * 1e3,
+        tokens_per_s=tokens / wall if wall > 0 else float("nan"),
+        decode_steps=len(itl),
+        gpu_busy_ms=gpu_busy,
+        kernel_launches_per_step=launches,
+        device_copy_ms_per_step=copy_ms,
+        host_overhead_ms=tpot - gpu_busy,
+        exposed_fetch_ms_per_token=c["exposed_fetch_s"] * 1e3 / n,
+        h2d_bytes_per_token=c["bytes_host_to_device"] / n,
+        disk_bytes_per_token=c["bytes_disk_to_host"] / n,
+        lookups_per_token=c["requests"] / n,
+        misses_per_token=(c["requests"] - c["device_hits"]) / n,
+        device_hit_rate=c["device_hits"] / lookups,
+        host_hit_rate=c["host_hits"] / lookups,
+        disk_read_rate=c["disk_reads"] / lookups,
+    )

@@ -1,0 +1,96 @@
+"""Bench results as text: the markdown table of a latency run and JSON saving.
+
+Owns formatting only; the numbers come from latency.py and baselines.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+_COLUMNS = (
+    ("routing", "routing", "{}"),
+    ("budget", "budget", "{}"),
+    ("slots", "device_slots", "{}"),
+    ("TTFT ms", "ttft_ms", "{:.1f}"),
+    ("TPOT ms", "tpot_ms", "{:.2f}"),
+    ("ITL p99", "itl_p99_ms", "{:.2f}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("busy ms", "gpu_busy_ms", "{:.2f}"),
+    ("launches", "kernel_launches_per_step", "{:.0f}"),
+    ("host ovh ms", "host_overhead_ms", "{:.2f}"),
+    ("offload cost ms", "offload_cost_ms", "{:.2f}"),
+    ("exposed fetch ms", "exposed_fetch_ms_per_token", "{:.2f}"),
+    ("H2D MB/tok", "h2d_bytes_per_token", "mb"),
+    ("disk MB/tok", "disk_bytes_per_token", "mb"),
+    ("hit", "device_hit_rate", "{:.3f}"),
+    ("Belady hit", "belady_hit_rate", "{:.3f}"),
+    ("bound ms", "bound_tpot_ms", "{:.2f}"),
+    ("TPOT/bound", "tpot_over_bound", "{:.2f}"),
+    ("same tokens", "tokens_match_reference", "{}"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if fmt == "mb":
+        return f"{value / 1e6:.1f}"
+    return fmt.format(value)
+
+
+def settings_line(s: dict[str, Any]) -> str:
+    return (
+        f"model {s['shape']} ({s['weights']}, {s['model_num_layers']} layers), "
+        f"{s['device_name']}, dtype {s['dtype']}, torch {s['torch']}, policy {s['policy']}, "
+        f"prefetch {s['prefetch']}, host budget {s['host_budget'] or 'default'}, "
+        f"routing: {s['routing_source']}; batch {s['batch_size']}, input {s['input_len']}, "
+        f"output {s['output_len']}, prompts {s['num_prompts']}, warmup {s['warmup']}, "
+        f"seed {s['seed']}"
+    )
+
+
+def latency_table(result: dict[str, Any]) -> str:
+    s, link = result["settings"], result["link"]
+    lines = [
+        settings_line(s),
+        f"link: {link['link']}: {link['GBps_16MiB']:.2f} GB/s at 16 MiB, "
+        f"{link['GBps_expert']:.2f} GB/s at one expert ({link['expert_bytes'] / 1e6:.2f} MB); "
+        f"busy: {s['gpu_busy_source']}; per token = {s['per_token']}",
+        "",
+        "| " + " | ".join(c[0] for c in _COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+    ]
+    for cfg in result["configs"]:
+        lines.append("| " + " | ".join(_cell(cfg.get(k), f) for _, k, f in _COLUMNS) + " |")
+    for base in result.get("baselines", []):
+        if base.get("skipped"):
+            lines.append(f"\n{base['name']}: skipped: {base['skipped']}")
+        else:
+            lines.append(
+                f"\n{base['name']}: TTFT {_cell(base.get('ttft_ms'), '{:.1f}')} ms, TPOT "
+                f"{_cell(base.get('tpot_ms'), '{:.2f}')} ms ({base.get('detail', '')})"
+            )
+    for note in result.get("notes", []):
+        lines.append(f"\nnote: {note}")
+    return "\n".join(lines)
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN: write it as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def save_json(path: str | Path, result: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(_clean(result), indent=1) + "\n")

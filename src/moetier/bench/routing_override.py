@@ -1,0 +1,157 @@
+"""Bench-only routing override: MoE layers compute a chosen set of experts instead of the router's.
+
+Owns the override sources (seeded uniform draws, replay of a recorded trace) and the gate
+wrapper that applies them; never used outside the bench. Deep random-weight stacks route
+degenerately (after ~48 random layers the hidden state no longer depends on the token), so
+cache results on them need routing that is known to be uniform or known to be real-text.
+
+The wrapper returns the override's ids [T, K] and, as weights, the softmax of the real router
+logits gathered at those ids and renormalized, so the compute is the same as for a real router.
+Both sources depend only on (layer, call index, tokens in the call), so every expert budget of
+one run sees exactly the same routing once `reset()` is called at the start of its timed pass.
+
+Trace replay onto another shape: model MoE layer i (i-th MoE layer, counting from 0) replays
+trace MoE layer `i mod L_trace`; that layer's per-token rows (all records, in file order) form
+a stream which each call consumes T rows of, wrapping around at the end. Ids are taken mod the
+model's expert count, duplicates dropped, and a row short of K is padded with the next ids
+(e+1, e+2, ... mod E) not yet in it, then cut to K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.bench.trace import RoutingTrace
+
+# Legend: T tokens, E experts, K top-k, D hidden.
+
+
+class RoutingSource(Protocol):
+    label: str
+
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
+        """Top-k ids [T, K] int64 (CPU) per token for the next call of the index-th MoE layer."""
+        ...
+
+    def reset(self) -> None: ...
+
+
+def uniform_ids(
+    seed: int, index: int, call: int, num_tokens: int, num_experts: int, top_k: int
+) -> torch.Tensor:
+    """[T, K] distinct experts per token, uniformly drawn, from a (seed, layer, call) generator."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + index) * 1_000_033 + call)
+    return torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+
+
+class UniformRouting:
+    """Each token draws top-k distinct experts uniformly at random, seeded per layer and call."""
+
+    def __init__(self, num_experts: int, top_k: int, seed: int) -> None:
+        self.num_experts, self.top_k, self.seed = num_experts, top_k, seed
+        self.label = f"uniform (seed {seed})"
+        self.calls: dict[int, int] = {}
+
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
+        call = self.calls.get(index, 0)
+        self.calls[index] = call + 1
+        return uniform_ids(self.seed, index, call, num_tokens, self.num_experts, self.top_k)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def fit_row(row: list[int], num_experts: int, top_k: int) -> list[int]:
+    """A trace row mapped onto E experts, K of them: mod E, deduplicated, padded, cut."""
+    out = list(dict.fromkeys(e % num_experts for e in row))
+    probe = out[-1] if out else 0
+    while len(out) < top_k:
+        probe = (probe + 1) % num_experts
+        if probe not in out:
+            out.append(probe)
+    return out[:top_k]
+
+
+class TraceRouting:
+    """Replays a recorded trace's expert ids (layers and tokens cycled; see module docstring)."""
+
+    def __init__(self, trace: RoutingTrace, num_experts: int, top_k: int, label: str) -> None:
+        if not trace.records:
+            from moetier.errors import ConfigError
+
+            raise ConfigError(f"routing trace {label} has no records")
+        self.num_experts, self.top_k, self.label = num_experts, top_k, f"trace {label}"
+        layers = trace.header.moe_layers or sorted({r.layer for r in trace.records})
+        rows = [
+            [
+                fit_row(row, num_experts, top_k)
+                for r in trace.records
+                if r.layer == la
+                for row in r.experts
+            ]
+            for la in layers
+        ]
+        # one [N, K] int64 stream per trace layer that has records
+        self.streams = [torch.tensor(r, dtype=torch.long) for r in rows if r]
+        self.cursor: dict[int, int] = {}
+
+    def ids(self, index: int, num_tokens: int) -> torch.Tensor:
+        stream = self.streams[index % len(self.streams)]
+        pos = self.cursor.get(index, 0)
+        self.cursor[index] = pos + num_tokens
+        return stream[torch.arange(pos, pos + num_tokens) % stream.shape[0]]  # [T, K]
+
+    def reset(self) -> None:
+        self.cursor.clear()
+
+
+class OverrideGate(nn.Module):
+    """Wraps a router: ids from the override, weights from the real logits at those ids."""
+
+    def __init__(self, inner: nn.Module, source: RoutingSource, index: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.source = source
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> ids [T, K] int64, weights [T, K] float32."""
+        ids = self.source.ids(self.index, x.shape[0]).to(x.device)  # [T, K]
+        weight: torch.Tensor = self.inner.weight  # type: ignore[assignment]
+        probs = F.softmax(F.linear(x.float(), weight.float()), dim=-1)  # [T, E]
+        w = probs.gather(1, ids)  # [T, K]
+        return ids, w / w.sum(dim=-1, keepdim=True)
+
+
+def make_source(spec: str, num_experts: int, top_k: int, seed: int) -> RoutingSource | None:
+    """`model` -> None (the model's own routers); `uniform`; `trace:PATH`."""
+    from moetier.errors import ConfigError
+
+    if spec == "model":
+        return None
+    if spec == "uniform":
+        return UniformRouting(num_experts, top_k, seed)
+    if spec.startswith("trace:"):
+        from moetier.bench.trace import read_trace
+
+        path = spec.split(":", 1)[1]
+        return TraceRouting(read_trace(path), num_experts, top_k, path)
+    raise ConfigError(f"unknown routing {spec!r}; use model, uniform or trace:PATH")
+
+
+def install(blocks: list[Any], source: RoutingSource) -> Callable[[], None]:
+    """Wrap every block's gate; returns a function that restores the original gates."""
+    originals = [block.gate for block in blocks]
+    for i, block in enumerate(blocks):
+        block.gate = OverrideGate(block.gate, source, i)
+
+    def undo() -> None:
+        for block, gate in zip(blocks, originals):
+            block.gate = gate
+
+    return undo

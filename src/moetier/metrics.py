@@ -1,0 +1,151 @@
+"""Prometheus export of engine and offload counters under the `moetier:` prefix.
+
+Owns the metric names and their registry; reads plain dicts and latencies handed to it and never
+imports anything else from the package (no engine, no tensors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+# Engine snapshot key -> (metric name, help, labels) for monotonically growing totals.
+_COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "requests": ("moetier:expert_lookups", "Expert lookups (distinct expert, layer, step)", {}),
+    "device_hits": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "device"}),
+    "host_hits": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "host"}),
+    "disk_reads": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "disk"}),
+    "evictions": ("moetier:expert_evictions", "Experts evicted from a tier", {"tier": "device"}),
+    "host_evictions": ("moetier:expert_evictions", "Experts evicted from a tier", {"tier": "host"}),
+    "bytes_disk_to_host": ("moetier:expert_bytes", "Expert bytes moved", {"path": "disk_to_host"}),
+    "bytes_host_to_device": (
+        "moetier:expert_bytes",
+        "Expert bytes moved",
+        {"path": "host_to_device"},
+    ),
+    "exposed_fetch_s": (
+        "moetier:expert_exposed_fetch_seconds",
+        "Time compute waited for expert data",
+        {},
+    ),
+    "disk_read_s": ("moetier:expert_disk_read_seconds", "Time spent reading expert shards", {}),
+    "num_preemptions": ("moetier:num_preemptions", "Requests preempted (KV blocks ran out)", {}),
+}
+# Engine snapshot key -> (metric name, help) for current values.
+_GAUGES: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("moetier:num_requests_running", "Requests in the running batch"),
+    "num_requests_waiting": ("moetier:num_requests_waiting", "Requests waiting to be scheduled"),
+    "kv_blocks_used": ("moetier:kv_cache_blocks_used", "KV cache blocks held by requests"),
+    "kv_blocks_free": ("moetier:kv_cache_blocks_free", "KV cache blocks free"),
+    "kv_blocks_total": ("moetier:kv_cache_blocks_total", "KV cache blocks in the pool"),
+    "device_slots": ("moetier:expert_device_slots", "Device expert slots in the pool"),
+}
+
+
+class _SnapshotCollector(Collector):
+    """Yields counters and gauges from the latest engine snapshot (replaced, never merged)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            snap = dict(self.snapshot)
+        counters: dict[str, CounterMetricFamily] = {}
+        for key, (name, doc, labels) in _COUNTERS.items():
+            if key not in snap:
+                continue
+            fam = counters.get(name)
+            if fam is None:
+                fam = counters[name] = CounterMetricFamily(
+                    name, doc, labels=["model_name", *labels]
+                )
+            fam.add_metric([self.model_name, *labels.values()], float(snap[key]))
+        yield from counters.values()
+        for key, (name, doc) in _GAUGES.items():
+            if key in snap:
+                gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+                gauge.add_metric([self.model_name], float(snap[key]))
+                yield gauge
+
+
+class ServerMetrics:
+    """Request latencies observed by the server, plus the engine's latest counter snapshot."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "moetier:time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "moetier:inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "moetier:e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "moetier:prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "moetier:generation_tokens", "Tokens generated", labels, registry=self.registry
+        )
+        self.requests = Counter(
+            "moetier:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "moetier:request_rejected",
+            "Requests refused before reaching the engine, by HTTP status",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
+        self._snapshot = _SnapshotCollector(model_name)
+        self.registry.register(self._snapshot)
+
+    def update_engine(self, snapshot: Mapping[str, float]) -> None:
+        with self._snapshot.lock:
+            self._snapshot.snapshot = dict(snapshot)
+
+    def engine_snapshot(self) -> dict[str, float]:
+        with self._snapshot.lock:
+            return dict(self._snapshot.snapshot)
+
+    def observe_token(self, first: bool, since: float) -> None:
+        """A token arrived `since` seconds after the request (first) or the previous token."""
+        (self.ttft if first else self.itl).labels(self.model_name).observe(since)
+
+    def observe_finish(self, reason: str, e2e: float, prompt: int, generated: int) -> None:
+        self.e2e.labels(self.model_name).observe(e2e)
+        self.requests.labels(self.model_name, reason).inc()
+        self.prompt_tokens.labels(self.model_name).inc(prompt)
+        self.generation_tokens.labels(self.model_name).inc(generated)
+
+    def observe_rejected(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()

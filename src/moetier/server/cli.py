@@ -1,0 +1,127 @@
+"""`moetier serve [MODEL]`: argument parsing and start-up checks; serving is in app.py.
+
+Refuses a non-loopback bind without an API key unless told to knowingly; never logs the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from moetier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_PUBLIC_FLAG = "--allow-public-without-key"
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--expert-budget", default=None, help="device slots for routed experts")
+    p.add_argument("--host-budget", default=None, help="host RAM for routed experts")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--policy", default="lru", help="expert-cache policy (lru, lfu)")
+    p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
+                   "(default: $MOETIER_API_KEY)")  # fmt: skip
+    p.add_argument(_PUBLIC_FLAG, action="store_true",
+                   help="allow a non-loopback bind with no API key")  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="running batch size")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=4096)
+    p.add_argument("--max-waiting", type=_non_negative, default=256,
+                   help="queued requests beyond the batch before 429")  # fmt: skip
+    p.add_argument("--max-model-len", type=_positive, default=None)
+    p.add_argument("--num-kv-blocks", type=_positive, default=None)
+    p.add_argument("--kv-block-size", type=_positive, default=16)
+    p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, allow_public: bool) -> None:
+    if not is_loopback(host) and not api_key and not allow_public:
+        raise ConfigError(
+            f"refusing to serve on {host} without an API key: pass --api-key (or set "
+            f"MOETIER_API_KEY), or {_PUBLIC_FLAG} to serve without one knowingly"
+        )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moetier.llm import load_tokenizer
+    from moetier.metrics import ServerMetrics
+    from moetier.server.app import ServerSettings, create_app
+    from moetier.server.engine_process import EngineArgs, EngineClient
+
+    api_key = args.api_key or os.environ.get("MOETIER_API_KEY") or None
+    check_bind(args.host, api_key, args.allow_public_without_key)
+    engine_args = EngineArgs(
+        model=args.model,
+        expert_budget=args.expert_budget,
+        host_budget=args.host_budget,
+        device=args.device,
+        dtype=args.dtype,
+        policy=args.policy,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_block_size=args.kv_block_size,
+        max_model_len=args.max_model_len,
+    )
+    client = EngineClient(engine_args, logging.getLogger().getEffectiveLevel())
+    try:
+        info = client.start()
+        name = args.served_model_name or (
+            Path(info["model"]).name if args.model else "moetier-demo"
+        )
+        metrics = ServerMetrics(name)
+        client.on_stats = metrics.update_engine
+        settings = ServerSettings(
+            name, api_key, args.max_num_seqs, args.max_waiting, args.max_body_bytes
+        )
+        app = create_app(client, load_tokenizer(info["model"]), settings, metrics)
+        log.warning(
+            "serving %s on http://%s:%d (auth %s)",
+            name,
+            args.host,
+            args.port,
+            "on" if api_key else "off",
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        client.shutdown()
+    return 0

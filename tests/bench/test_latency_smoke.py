@@ -1,0 +1,152 @@
+"""CPU smoke runs of `moetier bench latency`, `bench plot` and `bench gate` on a tiny shape.
+
+No timing assertions: keys present and finite, bound computed, files written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from moetier.cli import main
+
+KEYS = (
+    "ttft_ms",
+    "tpot_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tokens_per_s",
+    "gpu_busy_ms",
+    "host_overhead_ms",
+    "offload_cost_ms",
+    "exposed_fetch_ms_per_token",
+    "h2d_bytes_per_token",
+    "disk_bytes_per_token",
+    "device_hit_rate",
+    "belady_hit_rate",
+    "bound_tpot_ms",
+    "tpot_over_bound",
+    "peak_device_bytes",
+    "peak_host_rss_bytes",
+)
+SETTINGS = (
+    "shape",
+    "dtype",
+    "device_type",
+    "torch",
+    "policy",
+    "prefetch",
+    "seed",
+    "routing_source",
+    "input_len",
+    "output_len",
+    "batch_size",
+    "host_budget",
+)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("lat")
+    rc = main(
+        [
+            "bench",
+            "latency",
+            "--synthetic",
+            "tiny-qwen3",
+            "--expert-budget",
+            "25%",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--routing",
+            "model,uniform",
+            "--compare",
+            "transformers,accelerate",
+            "--no-progress",
+            "--save-result",
+            str(out / "r.json"),
+            "--save-trace",
+            str(out / "t.jsonl"),
+            "--plot",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    return json.loads((out / "r.json").read_text()), out
+
+
+def test_keys_present_and_finite(result: tuple[dict, Path]) -> None:
+    res, _ = result
+    assert [(c["routing"], c["budget"]) for c in res["configs"]] == [
+        ("model", "100%"),
+        ("model", "25%"),
+        ("uniform", "100%"),
+        ("uniform", "25%"),
+    ]
+    for cfg in res["configs"]:
+        for key in KEYS:
+            assert isinstance(cfg[key], (int, float)) and math.isfinite(cfg[key]), key
+        assert cfg["bound_tpot_ms"] > 0 and cfg["tokens_match_reference"] is True
+    for key in SETTINGS:
+        assert key in res["settings"], key
+    assert res["link"]["GBps_expert"] > 0 and res["link"]["GBps_16MiB"] > 0
+    ref, low = res["configs"][0], res["configs"][1]
+    assert ref["belady_hit_rate"] == 1.0 and ref["device_slots"] == 32
+    assert low["device_slots"] == 8 and low["belady_hit_rate"] >= low["device_hit_rate"]
+
+
+def test_baselines_reported(result: tuple[dict, Path]) -> None:
+    res, _ = result
+    base = {b["name"]: b for b in res["baselines"]}
+    assert base["transformers"]["greedy_agree"] is True  # routing=model comes first
+    assert "CUDA" in base["accelerate"]["skipped"]
+
+
+def test_trace_and_plots_written(result: tuple[dict, Path]) -> None:
+    from moetier.bench.trace import read_trace
+
+    _, out = result
+    trace = read_trace(out / "t.jsonl")
+    assert trace.header.num_experts == 16 and trace.header.top_k == 4
+    assert all(len(r.experts) == len(r.requests) for r in trace.records)
+    assert (out / "latency-tpot.png").stat().st_size > 0
+    assert main(["bench", "plot", str(out / "r.json"), "--out-dir", str(out / "p")]) == 0
+    assert (out / "p" / "r-breakdown.png").stat().st_size > 0
+
+
+def test_gate_writes_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "bench",
+            "gate",
+            "--baseline",
+            "policy=lru",
+            "--candidate",
+            "policy=lfu",
+            "--shapes",
+            "tiny-qwen3",
+            "--seeds",
+            "0,1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "t",
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert ("verdict: **SHIP**" in text) != ("verdict: **NO-SHIP**" in text)
+    md = next(tmp_path.glob("*-gate-t.md")).read_text()
+    assert "| tiny-qwen3 | 0 |" in md and "| tiny-qwen3 | 1 |" in md
+    record = json.loads(next(tmp_path.glob("*-gate-t.json")).read_text())
+    assert record["verdict"] in ("SHIP", "NO-SHIP") and len(record["pairs"]) == 2

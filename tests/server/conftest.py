@@ -1,0 +1,93 @@
+"""Live `moetier serve` processes on 127.0.0.1 (a random free port) over a tiny checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.tiny import make_tiny_server_model
+
+API_KEY = "sk-test-3f9a1c0e"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    model: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> dict[str, float]:
+        r = httpx.get(f"{self.url}/health", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_server_model(tmp_path_factory.mktemp("tiny") / "tiny-moe")
+
+
+def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env.pop("MOETIER_API_KEY", None)
+    cmd = [sys.executable, "-m", "moetier", "serve", str(model), "--port", str(port)]
+    cmd += ["--device", "cpu", "--dtype", "float32", *extra]
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    server = LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"server did not come up:\n{server.log()}")
+
+
+def stop_server(server: LiveServer) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Module fixtures call `serve(*extra_args)`; servers stop at module end."""
+    started: list[LiveServer] = []
+
+    def _start(*extra: str) -> LiveServer:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        started.append(start_server(tiny_model, log, *extra))
+        return started[-1]
+
+    yield _start
+    for s in started:
+        stop_server(s)
