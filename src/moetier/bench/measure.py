@@ -154,6 +154,13 @@ class _Driver:
             self.step += 1
             self.bar.update(1)
         wall = time.perf_counter() - start
+        short = [r for r in reqs if len(r.output_token_ids) < max_tokens]
+        if short:  # the engine fails a request whose step raised, and keeps going
+            err = getattr(self.engine, "last_error", None)
+            raise RuntimeError(
+                f"request {short[0].request_id} finished after {len(short[0].output_token_ids)} "
+                f"of {max_tokens} tokens ({short[0].finish_reason}): {err!r}"
+            ) from err
         return _Iteration(step_s, decode, ttft, wall, [list(r.output_token_ids) for r in reqs])
 
     def profile(self, prompts: list[list[int]], steps: int, seed: int) -> Any:

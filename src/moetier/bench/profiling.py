@@ -33,7 +33,8 @@ def profile_steps(run_step: Callable[[], None], steps: int) -> DeviceTime:
     kernel_us = copy_us = 0.0
     kernels = 0
     for evt in prof.events():
-        if evt.device_type != DeviceType.CUDA:
+        # user annotations are ranges projected onto the device timeline, not device work
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
             continue
         us = float(evt.time_range.elapsed_us())
         if evt.name.startswith(("Memcpy", "Memset")):
