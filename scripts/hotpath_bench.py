@@ -108,8 +108,10 @@ def main() -> None:
     path = write_fast(Path("/tmp/synth") / f"{shape}-{layers}", shape, layers)
     print(f"wrote checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
     variants = [
-        {"moe_slot_kernel_max_pairs": 0},  # the previous default: grouped gather + bmm
-        {"moe_slot_kernel_max_pairs": 256},  # slot-reading kernel
+        # the previous default: grouped gather + bmm, eager norms and rotary
+        {"moe_slot_kernel_max_pairs": 0, "fused_kernels": False},
+        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": False},  # slot-reading kernel
+        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": True},  # + fused norm/rotary
     ]
     rows = [run(path, b, v) for b in (None, "25%") for v in variants]
     res = {"shape": shape, "layers": layers, "dtype": "bfloat16", "batch": 1, "prompt_len": 64,
