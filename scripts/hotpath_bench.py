@@ -56,8 +56,8 @@ def run(path: Path, budget: str | None, variant: dict, tokens: int = 48, host_bu
     stats = eng.runner.stats
 
     def decode(n: int, profile: bool = False):
-        eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=0,
-                                               ignore_eos=True))
+        req = eng.add_request(prompt, SamplingParams(max_tokens=n, temperature=1.0, seed=0,
+                                                     ignore_eos=True))
         eng.step()  # prefill
         torch.cuda.synchronize()
         stats.reset()
@@ -69,11 +69,11 @@ def run(path: Path, budget: str | None, variant: dict, tokens: int = 48, host_bu
         steps = 0
         while eng.has_unfinished():
             t0 = time.perf_counter()
-            fin = eng.step()
+            eng.step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             steps += 1
-            toks = fin[0].output_token_ids if fin else toks
+        toks = list(req.output_token_ids)
         kern = launches = 0.0
         if prof is not None:
             prof.__exit__(None, None, None)
@@ -109,11 +109,13 @@ def main() -> None:
     print(f"wrote checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
     variants = [
         # the previous default: grouped gather + bmm, eager norms and rotary
-        {"moe_slot_kernel_max_pairs": 0, "fused_kernels": False},
-        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": False},  # slot-reading kernel
-        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": True},  # + fused norm/rotary
+        {"moe_slot_kernel_max_pairs": 0, "fused_kernels": False, "cuda_graphs": False},
+        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": False, "cuda_graphs": False},
+        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": True, "cuda_graphs": False},
+        {"moe_slot_kernel_max_pairs": 256, "fused_kernels": True, "cuda_graphs": True},
     ]
-    rows = [run(path, b, v) for b in (None, "25%") for v in variants]
+    rows = [run(path, None, v) for v in variants]
+    rows += [run(path, "25%", v) for v in variants[:3]]
     res = {"shape": shape, "layers": layers, "dtype": "bfloat16", "batch": 1, "prompt_len": 64,
            "decode": "sampled, temperature 1, seed 0, 48 tokens; random weights (random routing)",
            "torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}

@@ -131,3 +131,6 @@ class EngineConfig:
     # RMSNorm and rotary as one Triton kernel each (kernels/rmsnorm_rope.py). None = on for CUDA
     # when Triton imports, off on the CPU.
     fused_kernels: bool | None = None
+    # Replay decode steps that need no host decision (every expert resident) as CUDA graphs
+    # (engine/graphs.py). None = on for CUDA; ignored on the CPU.
+    cuda_graphs: bool | None = None

@@ -13,6 +13,7 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.engine.batch import SchedulerOutput
+from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
@@ -148,6 +149,9 @@ class ModelRunner:
             self.dtype,
         )
         self.generation_config = load_generation_config(self.model_dir)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs is not False:
+            self.graphs = DecodeGraphs(self)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -157,6 +161,10 @@ class ModelRunner:
         (a no-op for scheduled requests); K/V written by a step that raises sits beyond each
         request's progress counter and is overwritten when the request runs again.
         """
+        if self.graphs is not None and self.graphs.qualifies(batch):
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
