@@ -125,3 +125,12 @@ class EngineConfig:
     # MoE fast path: a wave whose (token, expert) weights fit in this many bytes is computed with
     # one gather and two bmm instead of a loop over experts. None = 256 MiB on CUDA, off on CPU.
     moe_grouped_max_bytes: int | None = None
+    # MoE fast path: a step with at most this many (token, expert) pairs is computed by the
+    # slot-reading kernel (kernels/expert_ffn.py). None = 256 on CUDA with Triton, off on CPU.
+    moe_slot_kernel_max_pairs: int | None = None
+    # RMSNorm and rotary as one Triton kernel each (kernels/rmsnorm_rope.py). None = on for CUDA
+    # when Triton imports, off on the CPU.
+    fused_kernels: bool | None = None
+    # Replay decode steps that need no host decision (every expert resident) as CUDA graphs
+    # (engine/graphs.py). None = on for CUDA; ignored on the CPU.
+    cuda_graphs: bool | None = None

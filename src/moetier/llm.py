@@ -50,6 +50,9 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         progress: bool = True,
         moe_grouped_max_bytes: int | None = None,
+        moe_slot_kernel_max_pairs: int | None = None,
+        fused_kernels: bool | None = None,
+        cuda_graphs: bool | None = None,
         num_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         max_model_len: int | None = None,
@@ -68,6 +71,9 @@ class LLM:
             cache=CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len),
             progress=progress,
             moe_grouped_max_bytes=moe_grouped_max_bytes,
+            moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
+            fused_kernels=fused_kernels,
+            cuda_graphs=cuda_graphs,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = Engine(self.config, self.tokenizer)

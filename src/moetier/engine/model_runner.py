@@ -13,10 +13,14 @@ import torch
 
 from moetier.config import EngineConfig
 from moetier.engine.batch import SchedulerOutput
+from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache
 from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels.expert_ffn import triton_available
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
+from moetier.layers.norm import RMSNorm
+from moetier.layers.rotary import RotaryEmbedding
 from moetier.models.registry import get_family
 from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
@@ -120,9 +124,19 @@ class ModelRunner:
         grouped = config.moe_grouped_max_bytes
         if grouped is None:
             grouped = 256 << 20 if self.device.type == "cuda" else 0
+        slot_kernel = config.moe_slot_kernel_max_pairs
+        if slot_kernel is None:
+            slot_kernel = 256 if self.device.type == "cuda" and triton_available() else 0
         for block in self.model.moe_blocks():
             block.provider = self.expert_cache
             block.grouped_max_bytes = grouped
+            block.slot_kernel_max_pairs = slot_kernel
+        fused = config.fused_kernels
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_available()
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = fused
         self.max_model_len = config.cache.max_model_len or int(
             getattr(self.hf_config, "max_position_embeddings", None) or 2048
         )
@@ -135,6 +149,9 @@ class ModelRunner:
             self.dtype,
         )
         self.generation_config = load_generation_config(self.model_dir)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs is not False:
+            self.graphs = DecodeGraphs(self)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -144,6 +161,10 @@ class ModelRunner:
         (a no-op for scheduled requests); K/V written by a step that raises sits beyond each
         request's progress counter and is overwritten when the request runs again.
         """
+        if self.graphs is not None and self.graphs.qualifies(batch):
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []

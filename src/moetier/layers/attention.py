@@ -15,7 +15,7 @@ from torch import nn
 
 from moetier.layers.context import ForwardContext
 from moetier.layers.norm import RMSNorm
-from moetier.layers.rotary import RotaryEmbedding, apply_rotary
+from moetier.layers.rotary import RotaryEmbedding
 
 # Legend: T tokens in the step, H query heads, Hkv KV heads, L cached tokens, d head dim.
 
@@ -134,6 +134,6 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary(ctx.positions, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         o = attend(ctx, self.layer, q, k, v, self.head_dim**-0.5)
         return self.o_proj(o.reshape(t, -1))

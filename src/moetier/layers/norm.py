@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moetier.kernels.rmsnorm_rope import rmsnorm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one Triton kernel instead of eager ops (set by the model runner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rmsnorm(x, self.weight, self.eps, self.fused)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetier.kernels.rmsnorm_rope import rope, rope_reference
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope settings as a dict with at least rope_type and rope_theta."""
@@ -15,6 +17,12 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
+
+
+# Distinct (inverse frequencies, scaling) tables -> small ids, so a step cache key is cheap.
+_TABLE_IDS: dict[tuple[tuple[float, ...], float], int] = {}
+# cos/sin of the positions tensor of the current step, shared by all layers of the step.
+_STEP_CACHE: dict[object, Any] = {}
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,24 +46,41 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: models are built on the meta device and this table is
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")
+        self.fused = False  # rotate() as one Triton kernel (set by the model runner)
+        table_key = (tuple(self.inv_freq.tolist()), float(self.scaling))
+        self._table_id = _TABLE_IDS.setdefault(table_key, len(_TABLE_IDS))
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, dim] for int positions [T]."""
+        """cos, sin of shape [T, dim] for int positions [T].
+
+        Every layer of a step passes the same positions tensor: the first layer computes the
+        tables, the others reuse them (one entry per distinct table and dtype).
+        """
+        if _STEP_CACHE.get("positions") is not positions:
+            _STEP_CACHE.clear()
+            _STEP_CACHE["positions"] = positions  # held, so its identity is not reused
+        key = (self._table_id, dtype)
+        hit = _STEP_CACHE.get(key)
+        if hit is None:
+            hit = _STEP_CACHE[key] = self._compute(positions, dtype)
+        return hit
+
+    def _compute(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, d] rotated by this step's cos/sin [T, d]."""
+        return rope(x, cos, sin, self.fused)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, d] rotated by cos/sin [T, d]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    return rope_reference(x, cos, sin)

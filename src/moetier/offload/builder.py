@@ -72,6 +72,7 @@ def build_tiers(
     cache = ExpertCache(host, layout.shape, plan.device_slots, device, dtype, stats, cfg.policy)
     if plan.device_slots == plan.total_experts:
         _preload_all(cache, layout, progress)
+        cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         stats.reset()
     log.info(
         "expert tiers: %d/%d experts in device slots (%s), %d in host RAM, %s routed in all",

@@ -44,6 +44,31 @@ class ExpertCache:
         self.transfer = TransferEngine(device)
         self.cuda = device.type == "cuda"
         self.slot_free_event: dict[int, torch.cuda.Event] = {}  # last compute use of a slot
+        self._resident_table: torch.Tensor | None = None
+
+    @property
+    def intermediate(self) -> int:
+        return self.shape.intermediate
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.slots
+
+    @property
+    def resident_table(self) -> torch.Tensor | None:
+        return self._resident_table
+
+    def count_resident(self, pairs: int) -> None:
+        self.stats.resident_lookups += pairs
+
+    def freeze_resident(self, num_layers: int, num_experts: int) -> None:
+        """Every routed expert holds a slot and nothing will be evicted: publish the [layer,
+        expert] -> slot map on the device so MoE layers can look slots up without the host."""
+        assert len(self.slot_of) == self.num_slots, "freeze_resident needs every expert loaded"
+        table = torch.full((num_layers, num_experts), -1, dtype=torch.int32)
+        for key, slot in self.slot_of.items():
+            table[key.layer, key.expert] = slot
+        self._resident_table = table.to(self.device)
 
     @property
     def max_batch(self) -> int:
@@ -83,10 +108,7 @@ class ExpertCache:
             self._wait_measured(wait_start, events)
         elif missed:
             self.stats.exposed_fetch_s += time.perf_counter() - start
-        pairs = [self.shape.split(self.slots[s]) for s in slots]
-        return ExpertBatch(
-            layer, experts, [p[0] for p in pairs], [p[1] for p in pairs], slots, self.slots
-        )
+        return ExpertBatch(layer, experts, slots, self.slots, self.shape.split)
 
     def release(self, batch: ExpertBatch) -> None:
         if not self.cuda:

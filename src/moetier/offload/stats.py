@@ -18,6 +18,9 @@ class OffloadStats:
     device_hits: int = 0  # found in a device slot
     host_hits: int = 0  # not in a slot, found in the host tier
     disk_reads: int = 0  # read from the checkpoint files at run time
+    # (token, expert) lookups served by the all-resident device table without a host decision;
+    # they are device hits by construction and are not in `requests`.
+    resident_lookups: int = 0
     evictions: int = 0  # device slots overwritten
     host_evictions: int = 0
     bytes_disk_to_host: int = 0
@@ -49,7 +52,9 @@ class OffloadStats:
         self.resolve()
         out: dict[str, float] = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         lookups = max(self.requests, 1)
-        out["device_hit_rate"] = self.device_hits / lookups
+        out["device_hit_rate"] = (
+            self.device_hits / lookups if self.requests or not self.resident_lookups else 1.0
+        )
         out["host_hit_rate"] = self.host_hits / lookups
         out["disk_read_rate"] = self.disk_reads / lookups
         return out

@@ -5,7 +5,9 @@ Imports no engine, server or model code; the MoE layer talks to offload only thr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import torch
@@ -20,16 +22,32 @@ class ExpertKey(NamedTuple):
 
 @dataclass
 class ExpertBatch:
-    """Experts of one layer made ready on the compute stream, in the order they were asked for."""
+    """Experts of one layer made ready on the compute stream, in the order they were asked for.
+
+    `slots[i]` is the pool row holding `experts[i]`; per-expert weight views are built only
+    when asked for (the slot-reading kernel never needs them, and they cost host time).
+    """
 
     layer: int
     experts: list[int]
-    gate_up: list[torch.Tensor]  # each [2I, D]
-    down: list[torch.Tensor]  # each [D, I]
     slots: list[int]
-    # The packed slot pool [S, 3*I*D] the views point into, for kernels that gather by slot id
-    # (None when the provider has no single pool).
-    pool: torch.Tensor | None = None
+    # The packed slot pool [S, 3*I*D] the slots index.
+    pool: torch.Tensor
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    @cached_property
+    def _views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.split(self.pool[s]) for s in self.slots]
+
+    @property
+    def gate_up(self) -> list[torch.Tensor]:
+        """Per expert [2I, D] views into the pool."""
+        return [v[0] for v in self._views]
+
+    @property
+    def down(self) -> list[torch.Tensor]:
+        """Per expert [D, I] views into the pool."""
+        return [v[1] for v in self._views]
 
 
 class ExpertProvider(Protocol):
@@ -38,6 +56,26 @@ class ExpertProvider(Protocol):
     @property
     def max_batch(self) -> int:
         """Most experts of one layer that can be held ready at once (callers split into waves)."""
+        ...
+
+    @property
+    def intermediate(self) -> int:
+        """I, the routed experts' intermediate size."""
+        ...
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The packed slot pool [S, 3*I*D] that slot ids index."""
+        ...
+
+    @property
+    def resident_table(self) -> torch.Tensor | None:
+        """[layers, E] int32 slot of each expert on the compute device when every routed expert
+        is resident for good (then no step needs a host decision); None otherwise."""
+        ...
+
+    def count_resident(self, pairs: int) -> None:
+        """Count `pairs` (token, expert) lookups served by `resident_table`."""
         ...
 
     def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
