@@ -207,6 +207,9 @@ def _plot(result: dict[str, Any], out_dir: str, stem: str) -> None:
             file=sys.stderr,
         )
         return
+    except Exception as exc:  # a plot must never cost the measured numbers
+        print(f"plots failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)
 
