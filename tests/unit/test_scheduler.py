@@ -73,3 +73,40 @@ def test_waiting_request_waits_for_blocks() -> None:
     s.add(_req(1, 2))
     assert [x.request.request_id for x in s.schedule().scheduled] == [0]
     assert [r.request_id for r in s.waiting] == [1]
+
+
+def test_decodes_go_before_an_older_long_prefill() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8))
+    long, short = _req(0, 30), _req(1, 2)
+    s.add(long)
+    s.add(short)
+    assert [(x.request.request_id, x.num_new_tokens) for x in s.schedule().scheduled] == [(0, 8)]
+    long.num_computed_tokens = 8
+    s.running.append(s.waiting.popleft())  # admitted later (as if budget had allowed)
+    short.num_computed_tokens = 2
+    short.output_token_ids.append(5)  # short is decoding: it goes first, long gets the rest
+    assert [(x.request.request_id, x.num_new_tokens) for x in s.schedule().scheduled] == [
+        (1, 1),
+        (0, 7),
+    ]
+
+
+def test_preempting_a_scheduled_decode_refunds_its_budget() -> None:
+    from moetier.engine.kv_cache import BlockManager
+
+    blocks = BlockManager(num_blocks=3, block_size=2)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
+    old, new = _req(0, 3), _req(1, 2)  # old prefills in 2 chunks; new decodes
+    s.running = [old, new]
+    blocks.allocate(0, 2)
+    blocks.allocate(1, 2)
+    old.num_computed_tokens = 1  # one chunk done (2 tokens left: not a decode)
+    new.num_computed_tokens = 2
+    new.output_token_ids.append(9)
+    # new (decode) is scheduled first and takes the last block; old then needs a block:
+    # new is the newest, is preempted, and leaves the batch
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [(0, 2)]
+    assert list(s.waiting) == [new] and s.num_preemptions == 1
+    assert blocks.tables == {0: [0, 1]}  # new's blocks [1, 2] came back; 1 is reused first
+    blocks.check_integrity()

@@ -34,15 +34,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = self.num_preemptions
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # Decodes (one token to compute) first, so a long prompt's chunk never stalls them.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if not self._is_running(req):
+                continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n):
-                break  # req was the newest and preempted itself
-            out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
-            i += 1
+            ok, refund = self._reserve(req, n, out)
+            budget += refund
+            if ok:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
         # No admissions in a step that had to preempt: the freed blocks are for the older ones.
         while (
             self.waiting
@@ -62,18 +65,28 @@ class Scheduler:
             budget -= n
         return out
 
-    def _reserve(self, req: Request, n: int) -> bool:
-        """Allocate blocks for req's next n tokens, preempting the newest requests as needed."""
+    def _is_running(self, req: Request) -> bool:
+        return any(r is req for r in self.running)
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> tuple[bool, int]:
+        """Allocate blocks for req's next n tokens, preempting the newest requests as needed.
+
+        Returns (False when req itself was the newest and got preempted, tokens refunded by
+        victims already scheduled in `out`, which are taken out of it).
+        """
         if self.blocks is None:
-            return True
-        need = req.num_computed_tokens + n
+            return True, 0
+        need, refund = req.num_computed_tokens + n, 0
         while not self.blocks.can_allocate(req.request_id, need):
             victim = self.running[-1]
             self.preempt(victim)
+            for s in [s for s in out.scheduled if s.request is victim]:
+                out.scheduled.remove(s)
+                refund += s.num_new_tokens
             if victim is req:
-                return False
+                return False, refund
         self.blocks.allocate(req.request_id, need)
-        return True
+        return True, refund
 
     def preempt(self, req: Request) -> None:
         """Free req's blocks and requeue it first; it recomputes its tokens when readmitted."""
