@@ -17,6 +17,8 @@ import pytest
 from tests.server.tiny import make_tiny_server_model
 
 API_KEY = "sk-test-3f9a1c0e"
+# CPU in CI; MOETIER_TEST_DEVICE=cuda runs the same suite against a GPU server.
+DEVICE = os.environ.get("MOETIER_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -51,7 +53,7 @@ def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     env.pop("MOETIER_API_KEY", None)
     cmd = [sys.executable, "-m", "moetier", "serve", str(model), "--port", str(port)]
-    cmd += ["--device", "cpu", "--dtype", "float32", *extra]
+    cmd += ["--device", DEVICE, "--dtype", "float32", *extra]
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     server = LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path)

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moetier import LLM, SamplingParams
-from tests.server.conftest import API_KEY, LiveServer
+from tests.server.conftest import API_KEY, DEVICE, LiveServer
 from tests.server.tiny import EOS
 
 
@@ -30,7 +30,7 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def llm(server: LiveServer, tiny_model: Any) -> LLM:
-    return LLM(str(tiny_model), device="cpu", dtype="float32", progress=False)
+    return LLM(str(tiny_model), device=DEVICE, dtype="float32", progress=False)
 
 
 def _post(server: LiveServer, path: str, body: Any, **kw: Any) -> httpx.Response:

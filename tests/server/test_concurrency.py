@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from moetier import LLM, SamplingParams
-from tests.server.conftest import LiveServer
+from tests.server.conftest import DEVICE, LiveServer
 
 # 16 prompts of mixed lengths (3..60 tokens) and mixed output lengths (4..40 tokens).
 _rng = random.Random(0)
@@ -28,7 +28,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path) -> list[list[int]]:
     """Each prompt alone through LLM.generate (greedy)."""
-    llm = LLM(str(tiny_model), device="cpu", dtype="float32", progress=False)
+    llm = LLM(str(tiny_model), device=DEVICE, dtype="float32", progress=False)
     return [
         llm.generate([p], SamplingParams(max_tokens=n, temperature=0.0))[0].outputs[0].token_ids
         for p, n in CASES
