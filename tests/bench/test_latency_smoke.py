@@ -64,7 +64,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
             "--output-len",
             "4",
             "--routing",
-            "model,uniform",
+            "uniform,model",
             "--compare",
             "transformers,accelerate",
             "--no-progress",
@@ -83,10 +83,10 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_keys_present_and_finite(result: tuple[dict, Path]) -> None:
     res, _ = result
     assert [(c["routing"], c["budget"]) for c in res["configs"]] == [
-        ("model", "100%"),
-        ("model", "25%"),
         ("uniform", "100%"),
         ("uniform", "25%"),
+        ("model", "100%"),
+        ("model", "25%"),
     ]
     for cfg in res["configs"]:
         for key in KEYS:
@@ -103,7 +103,7 @@ def test_keys_present_and_finite(result: tuple[dict, Path]) -> None:
 def test_baselines_reported(result: tuple[dict, Path]) -> None:
     res, _ = result
     base = {b["name"]: b for b in res["baselines"]}
-    assert base["transformers"]["greedy_agree"] is True  # routing=model comes first
+    assert base["transformers"]["greedy_agree"] is True  # model routers, whatever --routing
     assert "CUDA" in base["accelerate"]["skipped"]
 
 

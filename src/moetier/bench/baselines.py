@@ -4,9 +4,10 @@ Owns loading and timing the Hugging Face model (a manual decode loop with a KV c
 device sync per token) and the fit checks that decide whether a baseline can run; a baseline
 that cannot run is reported as skipped with the reason, never silently dropped.
 
-- transformers: every weight on the device; greedy decode; its first tokens are compared with
-  moetier's all-resident greedy tokens on the same prompt (only with routing=model: a routing
-  override changes moetier's experts, so there the baseline is timing only).
+- transformers: every weight on the device; greedy decode with the model's own routers; its
+  first tokens are compared with moetier's all-resident greedy tokens on the same prompt, also
+  with the model's routers (taken before any routing override is installed), so the check holds
+  whatever `--routing` the timed configurations use.
 - accelerate: transformers with `device_map="auto"` and `max_memory` so that the device holds
   the non-expert weights plus the same routed-expert budget as moetier's first offloaded budget
   (plus 1 GiB for activations and KV); the rest is offloaded to CPU RAM and moved on every
@@ -109,12 +110,10 @@ def run_transformers(s: Any, path: Path, prompt: list[int], greedy: list[int]) -
         res["greedy_agree"] = res["tokens"][:n] == greedy[:n]
         res["detail"] = (
             f"all resident; first {n} greedy tokens "
-            f"{'agree' if res['greedy_agree'] else 'DIFFER'} with moetier 100%"
+            f"{'agree' if res['greedy_agree'] else 'DIFFER'} with moetier 100% (model routers)"
         )
     else:
-        res["detail"] = (
-            "all resident; model routers (routing override is moetier-only), timing only"
-        )
+        res["detail"] = "all resident, model routers; no moetier greedy tokens to check"
     return res
 
 

@@ -110,6 +110,9 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", default=None, metavar="FILE.json")
     p.add_argument("--save-trace", default=None, metavar="FILE.jsonl", help="100%% run's trace")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -173,6 +176,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     from moetier.bench.latency import run_latency
     from moetier.bench.report import latency_table, save_json
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     save = args.save_result
     result = run_latency(
         latency_settings(args), (lambda partial: save_json(save, partial)) if save else None
@@ -199,6 +206,9 @@ def _plot(result: dict[str, Any], out_dir: str, stem: str) -> None:
             f"plots skipped: {exc} (run `moetier bench plot RESULT.json` elsewhere)",
             file=sys.stderr,
         )
+        return
+    except Exception as exc:  # a plot must never cost the measured numbers
+        print(f"plots failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)

@@ -207,10 +207,15 @@ def run_budget(
     )
     load_s = time.perf_counter() - t_load
     try:
-        return [
+        # the model's own routing, before any override: what transformers is checked against
+        greedy = _greedy_tokens(llm, prompts[0], s) if budget == "100%" else []
+        runs = [
             measure(llm, budget, s, spec, source, prompts, warm_prompts, load_s)
             for spec, source in routings
         ]
+        if greedy:
+            runs[0].metrics["greedy_tokens"] = greedy
+        return runs
     finally:
         del llm
         gc.collect()
@@ -268,7 +273,6 @@ def measure(
             for i in range(iters)
         ]
         recorder.detach()
-        greedy = _greedy_tokens(llm, prompts[0], s) if budget == "100%" and spec == "model" else []
         device_time = None
         if device.type == "cuda" and s.profile_steps > 0:
             device_time = driver.profile(warm_prompts[:b], s.profile_steps, s.seed + 20_000)
@@ -289,8 +293,6 @@ def measure(
     metrics.update(
         routing=spec, routing_label=label, peak_device_bytes=peak_dev, peak_host_rss_bytes=peak_rss
     )
-    if greedy:
-        metrics["greedy_tokens"] = greedy
     return ConfigRun(
         metrics,
         [t for it in its for t in it.tokens],

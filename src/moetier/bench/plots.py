@@ -70,7 +70,15 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, stem: str) -> list[
         )
     ax.set_xlabel("expert budget (% of routed-expert bytes on the device)")
     ax.set_ylabel("ms per output token")
-    ax.set_yscale("log")
+    ys = [
+        _val(c, key)
+        for cfgs in groups.values()
+        for c in cfgs
+        for key in ("tpot_ms", "bound_tpot_ms")
+        if _val(c, key) > 0
+    ]
+    if ys and max(ys) / min(ys) > 10:  # offloaded configs can be 10-100x the floor
+        ax.set_yscale("log")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
