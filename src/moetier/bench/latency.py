@@ -205,7 +205,9 @@ def run_latency(
     if s.save_trace:
         from moetier.bench.trace import write_trace
 
-        write_trace(s.save_trace, groups[0][0].trace)
+        # The all-resident run is not recorded (see measure.py): save an offloaded run's trace.
+        recorded = [r for r in groups[0] if r.trace.records] or groups[0]
+        write_trace(s.save_trace, recorded[0].trace)
     result: dict[str, Any] = {
         "settings": settings_record(s, path, device, geo, [src for _, src in routings]),
         "link": link,

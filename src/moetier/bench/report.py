@@ -23,6 +23,8 @@ _COLUMNS = (
     ("host ovh ms", "host_overhead_ms", "{:.2f}"),
     ("offload cost ms", "offload_cost_ms", "{:.2f}"),
     ("exposed fetch ms", "exposed_fetch_ms_per_token", "{:.2f}"),
+    ("miss host ms", "miss_host_ms_per_token", "{:.2f}"),
+    ("sync wait ms", "routing_sync_ms_per_token", "{:.2f}"),
     ("H2D MB/tok", "h2d_bytes_per_token", "mb"),
     ("disk MB/tok", "disk_bytes_per_token", "mb"),
     ("hit", "device_hit_rate", "{:.3f}"),

@@ -6,6 +6,7 @@ experts the whole step needs, in waves no larger than the provider can hold at o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,12 @@ class MoEBlock(nn.Module):
             weights = weights.gather(1, order)
             return expert_ffn(x, provider.pool, slots, weights, provider.intermediate)
         k = ids.shape[1]
-        # The one host sync of this layer: routing ids to the host to know what to fetch.
+        # The one host sync of this layer: routing ids to the host to know what to fetch. The
+        # host waits here for the GPU to finish everything queued so far: counted, since the
+        # all-resident path never pays it.
+        t0 = time.perf_counter()
         flat = ids.flatten().cpu()  # [T*K]
+        provider.count_routing_sync(time.perf_counter() - t0)
         if self.route_observer is not None:
             self.route_observer(self.layer, flat.tolist(), k)
         if kernel:

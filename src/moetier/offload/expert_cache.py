@@ -61,6 +61,9 @@ class ExpertCache:
     def count_resident(self, pairs: int) -> None:
         self.stats.resident_lookups += pairs
 
+    def count_routing_sync(self, seconds: float) -> None:
+        self.stats.routing_sync_s += seconds
+
     def freeze_resident(self, num_layers: int, num_experts: int) -> None:
         """Every routed expert holds a slot and nothing will be evicted: publish the [layer,
         expert] -> slot map on the device so MoE layers can look slots up without the host."""
@@ -104,6 +107,8 @@ class ExpertCache:
                 if event is not None:
                     events.append(event)
             slots.append(slot)
+        if missed:
+            self.stats.miss_host_s += time.perf_counter() - start
         if wait_start is not None:
             self._wait_measured(wait_start, events)
         elif missed:

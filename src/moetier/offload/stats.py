@@ -27,6 +27,11 @@ class OffloadStats:
     bytes_host_to_device: int = 0
     exposed_fetch_s: float = 0.0  # time compute waited for expert data
     disk_read_s: float = 0.0
+    # Host wall time: handling misses in fetch (bookkeeping, reads, issuing copies), and waiting
+    # at the MoE layers' routing syncs. Neither is in exposed_fetch_s, which is device time;
+    # with misses, the sync also drains the GPU queue, so launch time is no longer hidden.
+    miss_host_s: float = 0.0
+    routing_sync_s: float = 0.0
     _pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def add_exposed_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:

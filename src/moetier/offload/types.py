@@ -78,6 +78,10 @@ class ExpertProvider(Protocol):
         """Count `pairs` (token, expert) lookups served by `resident_table`."""
         ...
 
+    def count_routing_sync(self, seconds: float) -> None:
+        """Count host time spent waiting for routing ids (the layer's host sync)."""
+        ...
+
     def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
         """Make `experts` (distinct, at most max_batch) of `layer` ready on the compute stream."""
         ...
