@@ -157,7 +157,13 @@ def create_app(
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(check: bool = False) -> Response:
+        """Alive and the latest counters; `?check=true` also asks the engine (between steps)
+        to verify its KV blocks and expert slots and returns fresh counters."""
+        if client.dead:
+            return JSONResponse({"status": "degraded", "error": client.dead}, status_code=503)
+        if not check:
+            return JSONResponse({"status": "ok", **metrics.engine_snapshot()})
         error, stats = await client.check()
         if error:
             return JSONResponse({"status": "degraded", "error": error}, status_code=503)
