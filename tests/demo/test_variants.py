@@ -165,3 +165,25 @@ def test_check_index_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(RuntimeError, match="experts.2.w3"):
         verify.check_index(tmp_path, 3, 2)
+
+
+def test_cli_build_demo_prints_the_size_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from moetier.cli import main
+
+    built: list[DemoSpec] = []
+
+    def fake_ensure(home: object = None, progress: bool = True, spec: DemoSpec = DEFAULT_SPEC):
+        built.append(spec)
+        return tmp_path / spec.name
+
+    monkeypatch.setenv("MOETIER_HOME", str(tmp_path))
+    monkeypatch.setattr(builder, "ensure_demo_model", fake_ensure)
+    assert main(["build-demo", "--experts", "128", "--top-k", "8", "--perturb", "0.01"]) == 0
+    out, err = capsys.readouterr()
+    assert built == [DemoSpec(128, 8, 0.01)]
+    assert out.strip() == str(tmp_path / "smollm2-moe-128x8-p0.01")
+    assert "20.5 GB" in err and "128 experts" in err
+    assert main(["build-demo", "--experts", "8", "--top-k", "9"]) == 2
+    assert "--top-k must be 1..experts (8)" in capsys.readouterr().err

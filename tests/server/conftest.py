@@ -32,7 +32,8 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
     def health(self) -> dict[str, float]:
-        r = httpx.get(f"{self.url}/health", timeout=30)
+        """Fresh engine counters after the engine's KV and expert-slot integrity checks."""
+        r = httpx.get(f"{self.url}/health", params={"check": "true"}, timeout=30)
         assert r.status_code == 200, r.text
         return r.json()  # type: ignore[no-any-return]
 

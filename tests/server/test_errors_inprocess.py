@@ -71,3 +71,23 @@ def test_json_error_is_500(http: TestClient) -> None:
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
     assert http.get("/health").json()["status"] == "ok"
+
+
+def test_health_says_what_is_degraded() -> None:
+    client = ScriptedClient()
+
+    async def broken(timeout_s: float = 10.0) -> tuple[str | None, dict[str, float]]:
+        return "integrity check failed: blocks leaked", {}
+
+    client.check = broken  # type: ignore[method-assign]
+    app = create_app(client, None, ServerSettings("m"), ServerMetrics("m"))  # type: ignore[arg-type]
+    http = TestClient(app)
+    assert http.get("/health").status_code == 200  # cheap liveness
+    r = http.get("/health", params={"check": "true"})
+    assert r.status_code == 503 and r.json() == {
+        "status": "degraded",
+        "error": "integrity check failed: blocks leaked",
+    }
+    client.dead = "engine process exited (code -9)"
+    r = http.get("/health")
+    assert r.status_code == 503 and "exited" in r.json()["error"]

@@ -1,9 +1,18 @@
 """Replacement policies: exact eviction order on hand-made access sequences."""
 
+import random
+
 import pytest
 
 from moetier.errors import ConfigError
-from moetier.offload.policy import LFUPolicy, LRUPolicy, make_policy
+from moetier.offload.policy import (
+    POLICIES,
+    LeastStalePolicy,
+    LFRUPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    make_policy,
+)
 
 
 def test_lru_evicts_least_recent_and_respects_exclude() -> None:
@@ -33,8 +42,100 @@ def test_lfu_evicts_least_frequent_oldest_on_ties() -> None:
     p.insert("d")  # d=1
     assert p.victim() == "d"
     assert p.victim(exclude={"d"}) == "c"
+    assert p.order() == ["d", "c", "a"]
+    p.remove("d")
+    p.insert("d")  # a count starts again at 1 after eviction
+    p.touch("c")  # c=3 is now more recent than a=3
+    assert p.order() == ["d", "a", "c"]
+
+
+def _call(p: LeastStalePolicy | LFRUPolicy, layer: int, hits: str, loads: str) -> None:
+    """One call of `layer`: touch the experts in `hits`, insert those in `loads` (digits)."""
+    p.begin_call(layer, sorted(int(e) for e in hits + loads))
+    for e in hits:
+        p.touch((layer, int(e)))
+    for e in loads:
+        p.insert((layer, int(e)))
+
+
+def test_least_stale_prefers_the_layer_just_visited_then_steps_unused() -> None:
+    p = LeastStalePolicy()
+    _call(p, 0, "", "01")
+    _call(p, 1, "", "01")
+    # layer 1 ran last: its next call is a whole step away, layer 0's is next
+    assert p.order() == [(1, 0), (1, 1), (0, 0), (0, 1)]
+    _call(p, 0, "0", "")
+    # (0, 1) missed one visit of its layer; then layer 0 is now the stalest layer
+    assert p.order() == [(0, 1), (0, 0), (1, 0), (1, 1)]
+    assert p.victim(exclude={(0, 1)}) == (0, 0)
+    p.begin_call(1, [2])
+    assert p.order() == [(1, 0), (1, 1), (0, 1), (0, 0)]
+    assert p.victim(exclude={(1, 0), (1, 2)}) == (1, 1)
+    p.remove((1, 0))
+    p.insert((1, 2))
+    assert p.order() == [(1, 1), (0, 1), (1, 2), (0, 0)]
+
+
+def test_lfru_keeps_the_frequent_key_over_the_recent_one_and_remembers_evicted_counts() -> None:
+    p = LFRUPolicy()
+    _call(p, 0, "", "01")
+    for _ in range(3):
+        _call(p, 0, "0", "")  # (0, 0) used 4 times, (0, 1) once
+    _call(p, 0, "", "2")  # (0, 2) is the most recent, used once
+    assert p.order() == [(0, 1), (0, 2), (0, 0)]
+    p.remove((0, 0))
+    _call(p, 0, "", "0")  # back with its decayed count of 4 plus this use
+    assert p.order() == [(0, 1), (0, 2), (0, 0)]
+    lru = LRUPolicy()
+    for k in [(0, 1), (0, 2), (0, 0)]:
+        lru.insert(k)
+    assert lru.order() == p.order()  # same here; below, frequency wins over recency
+    _call(p, 0, "1", "")
+    assert p.order() == [(0, 2), (0, 1), (0, 0)]  # (0, 1): 2 uses, (0, 2): 1
+    _call(p, 0, "2", "")
+    _call(p, 0, "2", "")
+    assert p.victim() == (0, 1)  # (0, 2) now has 3 uses; LRU would evict (0, 0)
+
+
+def test_lfru_weights_toward_the_layer_just_visited() -> None:
+    p = LFRUPolicy()
+    _call(p, 0, "", "0")
+    _call(p, 1, "", "0")
+    _call(p, 0, "0", "")
+    _call(p, 1, "0", "")
+    assert p.order() == [(1, 0), (0, 0)]  # both used twice; layer 1 ran last
+    _call(p, 0, "", "1")  # layer 0 runs without (0, 0): now it is the stalest of the two
+    assert p.order() == [(0, 1), (0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_victim_is_resident_not_excluded_and_first_in_order(name: str) -> None:
+    rng = random.Random(name)
+    p = make_policy(name)
+    resident: set[tuple[int, int]] = set()
+    for _ in range(200):
+        for layer in range(3):
+            wave = sorted(rng.sample(range(8), rng.choice((1, 2, 2, 4))))
+            p.begin_call(layer, wave)
+            keys = [(layer, e) for e in wave]
+            for key in keys:
+                if key in resident:
+                    p.touch(key)
+                    continue
+                if len(resident) >= 6:
+                    exclude = set(keys) | set(rng.sample(sorted(resident), 2))
+                    victim = p.victim(exclude=exclude)
+                    assert victim in resident and victim not in exclude
+                    assert victim == next(k for k in p.order() if k not in exclude)
+                    p.remove(victim)
+                    resident.discard(victim)
+                resident.add(key)
+                p.insert(key)
+            assert sorted(p.order()) == sorted(resident)
+    with pytest.raises(RuntimeError, match="in use"):
+        p.victim(exclude=resident)
 
 
 def test_unknown_policy_lists_choices() -> None:
-    with pytest.raises(ConfigError, match="lfu, lru"):
+    with pytest.raises(ConfigError, match="least-stale, lfru, lfu, lru"):
         make_policy("belady")

@@ -145,6 +145,7 @@ def simulate(
         experts = rec.distinct()
         for w0 in range(0, len(experts), num_slots):
             wave = [(rec.layer, e) for e in experts[w0 : w0 + num_slots]]
+            policy.begin_call(rec.layer, experts[w0 : w0 + num_slots])
             in_use = set(wave)
             requests += len(wave)
             for key in wave:

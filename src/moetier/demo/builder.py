@@ -202,14 +202,14 @@ def _check(out: Path, spec: DemoSpec, prompt_ids: list[int], expected: list[int]
         log.warning(
             "%s: checked its index and config only; loading it through transformers needs "
             "about %.0f GB of RAM, %.0f GB available",
-            out.name,
+            spec.name,
             needed / 1e9,
             available / 1e9,
         )
         return {"checked": "index"}
     if spec.perturb > 0:
         agreement = verify.dense_agreement(out, prompt_ids, expected)
-        log.info("%s agrees with the dense model on %.0f%% of tokens", out.name, 100 * agreement)
+        log.info("%s agrees with the dense model on %.0f%% of tokens", spec.name, 100 * agreement)
         return {"checked": "transformers", "dense_agreement": agreement}
     verify.verify_checkpoint(out, prompt_ids, expected)
     return {"checked": "transformers"}

@@ -80,7 +80,8 @@ def cmd_build_demo(args: argparse.Namespace) -> int:
     path = demo_model_dir(None, spec)
     if not is_complete(path):
         print(
-            f"building {spec.name}: {format_bytes(spec.checkpoint_bytes)} on disk (bfloat16, "
+            f"building {spec.name}: {spec.checkpoint_bytes / 1e9:.1f} GB "
+            f"({format_bytes(spec.checkpoint_bytes)}) on disk (bfloat16, "
             f"30 layers x {spec.num_experts} experts of {format_bytes(spec.expert_bytes)}) "
             f"into {path}",
             file=sys.stderr,

@@ -84,6 +84,7 @@ class ExpertCache:
     def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
         assert len(experts) <= self.num_slots, "caller must split experts into waves of max_batch"
         keys = [ExpertKey(layer, e) for e in experts]
+        self.policy.begin_call(layer, experts)
         in_use = set(keys)
         events: list[torch.cuda.Event] = []
         slots: list[int] = []

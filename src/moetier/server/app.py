@@ -156,16 +156,7 @@ def create_app(
     if settings.api_key:  # outermost: refuse before reading a body
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
 
-    @app.get("/health")
-    async def health() -> Response:
-        error, stats = await client.check()
-        if error:
-            return JSONResponse({"status": "degraded", "error": error}, status_code=503)
-        return JSONResponse({"status": "ok", **stats})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    _add_ops_routes(app, client, metrics)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -187,6 +178,27 @@ def create_app(
         return await serving.completions(body, request)
 
     return app
+
+
+def _add_ops_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) -> None:
+    """/health and /metrics: outside /v1, so probes and scrapers need no key."""
+
+    @app.get("/health")
+    async def health(check: bool = False) -> Response:
+        """Alive and the latest counters; `?check=true` also asks the engine (between steps)
+        to verify its KV blocks and expert slots and returns fresh counters."""
+        if client.dead:
+            return JSONResponse({"status": "degraded", "error": client.dead}, status_code=503)
+        if not check:
+            return JSONResponse({"status": "ok", **metrics.engine_snapshot()})
+        error, stats = await client.check()
+        if error:
+            return JSONResponse({"status": "degraded", "error": error}, status_code=503)
+        return JSONResponse({"status": "ok", **stats})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _install_errors(app: FastAPI, metrics: ServerMetrics) -> None:

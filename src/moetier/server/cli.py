@@ -95,18 +95,10 @@ def _graceful_server_class() -> Any:
     return GracefulServer
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _engine_args(args: argparse.Namespace) -> Any:
+    from moetier.server.engine_process import EngineArgs
 
-    from moetier.llm import load_tokenizer
-    from moetier.metrics import ServerMetrics
-    from moetier.server.app import ServerSettings, create_app
-    from moetier.server.engine_process import EngineArgs, EngineClient
-
-    server_cls = _graceful_server_class()
-    api_key = args.api_key or os.environ.get("MOETIER_API_KEY") or None
-    check_bind(args.host, api_key, args.allow_public_without_key)
-    engine_args = EngineArgs(
+    return EngineArgs(
         model=args.model,
         expert_budget=args.expert_budget,
         host_budget=args.host_budget,
@@ -120,7 +112,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_block_size=args.kv_block_size,
         max_model_len=args.max_model_len,
     )
-    client = EngineClient(engine_args, logging.getLogger().getEffectiveLevel())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moetier.llm import load_tokenizer
+    from moetier.metrics import ServerMetrics
+    from moetier.server.app import ServerSettings, create_app
+    from moetier.server.engine_process import EngineClient
+
+    server_cls = _graceful_server_class()
+    api_key = args.api_key or os.environ.get("MOETIER_API_KEY") or None
+    check_bind(args.host, api_key, args.allow_public_without_key)
+    client = EngineClient(_engine_args(args), logging.getLogger().getEffectiveLevel())
     try:
         info = client.start()
         name = args.served_model_name or (

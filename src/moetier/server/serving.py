@@ -323,25 +323,24 @@ class Serving:
         }
         return JSONResponse(payload)
 
+    def _chunk(self, job: _Job, choices: list[dict[str, Any]], usage: Any) -> str:
+        payload: dict[str, Any] = {
+            "id": job.id,
+            "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": job.created,
+            "model": self.settings.served_model_name,
+            "choices": choices,
+        }
+        if usage is not False:  # False: no usage field; None: null (include_usage requested)
+            payload["usage"] = usage
+        return _sse(payload)
+
     async def _stream(self, job: _Job, body: Body, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if job.chat else "text_completion"
-
-        def chunk(index: int, part: dict[str, Any], finish: str | None) -> str:
-            payload: dict[str, Any] = {
-                "id": job.id,
-                "object": obj,
-                "created": job.created,
-                "model": self.settings.served_model_name,
-                "choices": [{"index": index, **part, "finish_reason": finish}],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
-
+        usage = None if include_usage else False
         if job.chat:
             role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
             for i in range(len(job.choices)):
-                yield chunk(i, role, None)
+                yield self._chunk(job, [{"index": i, **role, "finish_reason": None}], usage)
         pending: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
         async for index, ev in self._events(job):
             c = job.choices[index]
@@ -359,27 +358,17 @@ class Serving:
             lps += ev.logprobs
             if not ev.text and not ev.finished:
                 continue
-            lp = self._logprobs(job, lps) if job.want_logprobs else None
-            part: dict[str, Any] = (
-                {"delta": {"content": ev.text}} if job.chat else {"text": ev.text}
-            )
-            part["logprobs"] = lp
+            part: dict[str, Any] = {"index": index}
+            part.update({"delta": {"content": ev.text}} if job.chat else {"text": ev.text})
+            part["logprobs"] = self._logprobs(job, lps) if job.want_logprobs else None
+            part["finish_reason"] = c.finish_reason if ev.finished else None
             if body.return_token_ids:
                 part["token_ids"] = list(ids)
             ids.clear()
             lps.clear()
-            yield chunk(index, part, c.finish_reason if ev.finished else None)
+            yield self._chunk(job, [part], usage)
         if include_usage:
-            yield _sse(
-                {
-                    "id": job.id,
-                    "object": obj,
-                    "created": job.created,
-                    "model": self.settings.served_model_name,
-                    "choices": [],
-                    "usage": job.usage(),
-                }
-            )
+            yield self._chunk(job, [], job.usage())
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, job: _Job, lps: list[TokenLogprob]) -> dict[str, Any]:
