@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.engine.kv_cache import BlockManager, PagedKVCache, default_num_blocks
+from moetier.engine.kv_cache import BlockManager, PagedKVCache, decode_width, default_num_blocks
 
 
 def test_blocks_lowest_first_and_freed_blocks_reused_first() -> None:
@@ -54,8 +54,10 @@ def test_build_batch_addresses_history_through_block_tables() -> None:
     assert b.decode_spans == (0, 2)
     assert b.decode_rows is not None and b.decode_rows.tolist() == [0, 3]
     assert b.decode_slots is not None and b.decode_mask is not None
-    assert b.decode_slots.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert b.decode_mask.shape == (2, 1, 1, 4) and bool(b.decode_mask.all())
+    # padded to decode_width (4 blocks = 8 slots), the width graph replays use
+    assert b.decode_slots.tolist() == [[0, 1, 2, 3, 0, 0, 0, 0], [4, 5, 6, 7, 0, 0, 0, 0]]
+    assert b.decode_mask.shape == (2, 1, 1, 8)
+    assert b.decode_mask[:, 0, 0].tolist() == [[True] * 4 + [False] * 4] * 2
     assert b.span_slots is not None and b.span_slots[1].tolist() == [8, 9]
 
 
@@ -66,8 +68,15 @@ def test_decode_padding_is_masked_and_points_at_slot_zero() -> None:
     m.allocate(1, 3)
     b = cache.build_batch([(0, 0, 1), (1, 2, 1)], total=2)
     assert b.decode_slots is not None and b.decode_mask is not None
-    assert b.decode_slots.tolist() == [[0, 0, 0], [2, 3, 4]]
-    assert b.decode_mask[:, 0, 0].tolist() == [[True, False, False], [True, True, True]]
+    assert b.decode_slots.tolist() == [[0] * 8, [2, 3, 4, 0, 0, 0, 0, 0]]
+    assert b.decode_mask[:, 0, 0].tolist() == [
+        [True] + [False] * 7,
+        [True] * 3 + [False] * 5,
+    ]
+
+
+def test_decode_width_is_a_power_of_two_of_at_least_four_blocks() -> None:
+    assert [decode_width(n) for n in (0, 1, 4, 5, 8, 9, 100)] == [4, 4, 4, 8, 8, 16, 128]
 
 
 def test_write_stores_at_slots() -> None:

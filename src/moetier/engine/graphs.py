@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from moetier.engine.batch import SchedulerOutput
+from moetier.engine.kv_cache import decode_width
 from moetier.layers.context import ForwardContext, KVBatch, SeqSpan
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,7 @@ class DecodeGraphs:
             blocks.allocate(r.request_id, r.num_computed_tokens + 1)
             lens.append(r.num_computed_tokens + 1)
             tables.append(blocks.tables[r.request_id])
-        width = 1 << (max(blocks.blocks_for(n) for n in lens) - 1).bit_length()
-        key = (len(lens), max(width, 4))
+        key = (len(lens), decode_width(max(blocks.blocks_for(n) for n in lens)))
         if key in self.failed:
             return None
         ids = [s.request.all_token_ids[s.request.num_computed_tokens] for s in batch.scheduled]

@@ -151,16 +151,24 @@ class PagedKVCache:
         self, tables: list[list[int]], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables -> history slots [B, L] and mask [B, 1, 1, L], computed on the device."""
-        bs, longest = self.blocks.block_size, max(lengths)
-        width = self.blocks.blocks_for(longest)
+        bs = self.blocks.block_size
+        # Padded to the width CUDA-graph replays use (engine/graphs.py), so eager and replayed
+        # decode attention run the same shapes and give the same bits.
+        width = decode_width(self.blocks.blocks_for(max(lengths)))
         padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         table = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
         offs = torch.arange(bs, device=self.device)
-        slots = (table[:, :, None] * bs + offs).flatten(1)[:, :longest]  # [B, L]
+        slots = (table[:, :, None] * bs + offs).flatten(1)  # [B, L]
         lens = self._tensor(lengths)  # [B]
-        mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]  # [B, L]
+        mask = torch.arange(width * bs, device=self.device)[None, :] < lens[:, None]  # [B, L]
         slots = slots.masked_fill(~mask, 0)
         return slots, mask[:, None, None, :]
+
+
+def decode_width(blocks: int) -> int:
+    """Block-table width a decode batch is padded to: a power of two, at least 4 blocks (few
+    distinct shapes, so few captured graphs; masked columns cost little at decode)."""
+    return max(4, 1 << (max(blocks, 1) - 1).bit_length())
 
 
 def default_num_blocks(

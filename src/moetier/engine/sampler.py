@@ -17,25 +17,31 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]
     ) -> list[int]:
-        """logits [N, V] float32 -> one token id per row."""
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        out = [0] * len(params)
-        if greedy_rows:
-            ids = logits[greedy_rows].argmax(dim=-1).tolist()
-            for row, tok in zip(greedy_rows, ids):
-                out[row] = tok
-        for i, p in enumerate(params):
-            if not p.greedy:
-                out[i] = self._sample_one(logits[i], request_ids[i], p)
-        return out
+        """logits [N, V] float32 -> one token id per row.
 
-    def _sample_one(self, logits: torch.Tensor, request_id: int, p: SamplingParams) -> int:
+        Everything runs where the logits are (on CUDA: no copy of the vocabulary-sized rows to
+        the host, generators on the device); the chosen ids come back in one read.
+        """
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        chosen = [
+            logits[i].argmax(dim=-1, keepdim=True)
+            if p.greedy
+            else self._sample_one(logits[i], request_ids[i], p)
+            for i, p in enumerate(params)
+        ]
+        return torch.cat(chosen).tolist()
+
+    def _sample_one(
+        self, logits: torch.Tensor, request_id: int, p: SamplingParams
+    ) -> torch.Tensor:
+        """One row's token id as a [1] tensor on the logits' device."""
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = torch.Generator(device="cpu")
+            gen = torch.Generator(device=logits.device)
             gen.manual_seed(p.seed if p.seed is not None else self.seed * 1_000_003 + request_id)
             self._generators[request_id] = gen
-        scores = logits.float().cpu() / p.temperature
+        scores = logits.float() / p.temperature
         if p.top_k > 0:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -47,7 +53,7 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return torch.multinomial(probs, 1, generator=gen)
 
     def forget(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
