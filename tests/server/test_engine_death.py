@@ -16,10 +16,14 @@ from tests.server.conftest import LiveServer
 
 
 def _engine_pid(server: LiveServer) -> int:
-    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text()
-    for pid in children.split():
-        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
-            return int(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == server.proc.pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
     raise AssertionError("no engine process under the server")
 
 
@@ -33,9 +37,10 @@ def test_engine_death_is_reported_and_server_stays_up(serve: Callable[..., LiveS
         http.stream("POST", f"{server.url}/v1/completions", json=body) as r,
     ):
         for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-            if len(events) == 2:
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:  # two chunks in: kill the engine once
                 os.kill(_engine_pid(server), signal.SIGKILL)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]

@@ -161,7 +161,8 @@ class LayeredPolicy(Policy):
 
     # subclasses
     def _use(self, key: Any, new: bool) -> float:
-        """Record a use of `key` now; return its rank (smaller is evicted first)."""
+        """Record a use of `key` now; return its rank (smaller is evicted first). A key's rank
+        must never fall when it is used again (`_set` relies on it)."""
         raise NotImplementedError
 
     def _stale_weight(self) -> float:
@@ -183,9 +184,10 @@ class LayeredPolicy(Policy):
         self._set(key, self._use(key, new=False))
 
     def remove(self, key: Any) -> None:
-        del self._rank[key]
+        _, tick = self._rank.pop(key)
         self._live[key[0]] -= 1
-        self._publish(key[0])
+        if self._score.get(key[0], (0.0, -1))[1] == tick:  # it was its layer's best
+            self._publish(key[0])
 
     def victim(self, exclude: set | frozenset = frozenset()) -> Any:
         best: tuple[float, int, Any] | None = None
@@ -221,19 +223,40 @@ class LayeredPolicy(Policy):
         return self._stale_weight() * self._visit.get(layer, 0)
 
     def _set(self, key: Any, rank: float) -> None:
+        layer = key[0]
+        old = self._rank.get(key)
         self._tick += 1
         self._rank[key] = (rank, self._tick)
-        heap = self._keys.setdefault(key[0], [])
+        heap = self._keys.setdefault(layer, [])
         heapq.heappush(heap, (rank, self._tick, key))
-        if len(heap) > 4 * self._live[key[0]] + 64:
-            live = [(r, t, k) for k, (r, t) in self._rank.items() if k[0] == key[0]]
+        if len(heap) > 4 * self._live[layer] + 64:
+            live = [(r, t, k) for k, (r, t) in self._rank.items() if k[0] == layer]
             heapq.heapify(live)
-            self._keys[key[0]] = live
-        self._publish(key[0])
+            self._keys[layer] = live
+        # Ranks only grow with use, so the layer's best changes only if this key was it or
+        # now beats it; otherwise the published score stands (saves a heap walk per hit).
+        best = self._score.get(layer)
+        score = (rank - self._weight(layer), self._tick)
+        if best is None or (old is not None and old[1] == best[1]):
+            self._publish(layer)
+        elif score < best:
+            self._push_layer(layer, score)
 
-    def _best_key(self, layer: int, exclude: Any) -> tuple[Any, ...] | None:
-        heap = self._keys.get(layer, [])
-        return _pop_best(heap, lambda e: self._rank.get(e[2]) == e[:2], exclude)
+    def _best_key(self, layer: int, exclude: Any) -> tuple[float, int, Any] | None:
+        heap = self._keys.get(layer)
+        if not heap:
+            return None
+        rank = self._rank
+        while heap:  # common case: drop stale tops, return a live one not excluded
+            r, t, k = heap[0]
+            live = rank.get(k)
+            if live is None or live[1] != t:
+                heapq.heappop(heap)
+            elif k in exclude:
+                return _pop_best(heap, lambda e: rank.get(e[2]) == e[:2], exclude)  # type: ignore[return-value]
+            else:
+                return heap[0]
+        return None
 
     def _publish(self, layer: int) -> None:
         """Put the layer's current best score on the layer heap (if it changed)."""
@@ -241,11 +264,15 @@ class LayeredPolicy(Policy):
         score = None if found is None else (found[0] - self._weight(layer), found[1])
         if score == self._score.get(layer):
             return
-        version = self._version.get(layer, 0) + 1
-        self._version[layer] = version
         if score is None:
+            self._version[layer] = self._version.get(layer, 0) + 1
             self._score.pop(layer, None)
             return
+        self._push_layer(layer, score)
+
+    def _push_layer(self, layer: int, score: tuple[float, int]) -> None:
+        version = self._version.get(layer, 0) + 1
+        self._version[layer] = version
         self._score[layer] = score
         heapq.heappush(self._layers, (score[0], score[1], version, layer))
         if len(self._layers) > 4 * len(self._score) + 64:
@@ -286,19 +313,22 @@ class LFRUPolicy(LayeredPolicy):
         self.half_life_steps = half_life_steps
         self.stale = stale
         self._history: dict[Any, tuple[float, int]] = {}  # key -> (count at t, t)
+        self._lam = math.log(2.0) / half_life_steps  # per call; set per MoE layers seen
 
-    def _lam(self) -> float:
-        return math.log(2.0) / (self.half_life_steps * max(len(self._visit), 1))
+    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
+        if layer not in self._visit:
+            self._lam = math.log(2.0) / (self.half_life_steps * (len(self._visit) + 1))
+        super().begin_call(layer, experts)
 
     def _use(self, key: Any, new: bool) -> float:
-        lam = self._lam()
+        lam = self._lam
         count, t = self._history.get(key, (0.0, self._clock))
         count = count * math.exp(-lam * (self._clock - t)) + 1.0
         self._history[key] = (count, self._clock)
         return math.log(count) + lam * self._clock
 
     def _stale_weight(self) -> float:
-        return self.stale * self._lam()
+        return self.stale * self._lam
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
