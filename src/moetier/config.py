@@ -88,7 +88,7 @@ class OffloadConfig:
 
     expert_budget: Budget = None  # device slots; None = every routed expert resident
     host_budget: Budget = None  # host RAM tier; None = all routed experts (CUDA) / 0 (CPU)
-    policy: str = "lru"
+    policy: str = "lfru"  # expert-slot policy (offload/policy.py); chosen on replay hit rates
     pin_host_memory: bool = True  # only applies when the compute device is CUDA
 
 
