@@ -109,20 +109,21 @@ class MoEBlock(nn.Module):
         if len(experts) > provider.max_batch:
             return None
         batch = provider.fetch(self.layer, experts)
-        slot_of = dict(zip(batch.experts, batch.slots))
-        k = ids.shape[1]
-        rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
-        slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
-        _, order = ids.sort(dim=-1)  # ascending expert per token, matching `rows`
-        out = expert_ffn(
-            x,
-            batch.pool,
-            slots.to(x.device, non_blocking=True),
-            weights.gather(1, order),
-            provider.intermediate,
-        )
-        provider.release(batch)
-        return out
+        try:  # a raising step must still hand its slots back (the engine keeps serving)
+            slot_of = dict(zip(batch.experts, batch.slots))
+            k = ids.shape[1]
+            rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
+            slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
+            _, order = ids.sort(dim=-1)  # ascending expert per token, matching `rows`
+            return expert_ffn(
+                x,
+                batch.pool,
+                slots.to(x.device, non_blocking=True),
+                weights.gather(1, order),
+                provider.intermediate,
+            )
+        finally:
+            provider.release(batch)
 
     def _waves(
         self,
@@ -147,14 +148,16 @@ class MoEBlock(nn.Module):
         out = torch.zeros_like(x)
         for w0 in range(0, len(experts), provider.max_batch):
             batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch])
-            spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
-            pairs = sum(b - a for a, b in spans)
-            nbytes = pairs * batch.pool.shape[1] * x.element_size()
-            if nbytes <= self.grouped_max_bytes:
-                self._wave_grouped(x, out, batch, spans, tokens, kpos, weights, host_tokens)
-            else:
-                self._wave_loop(x, out, batch, spans, tokens, kpos, weights)
-            provider.release(batch)
+            try:
+                spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
+                pairs = sum(b - a for a, b in spans)
+                nbytes = pairs * batch.pool.shape[1] * x.element_size()
+                if nbytes <= self.grouped_max_bytes:
+                    self._wave_grouped(x, out, batch, spans, tokens, kpos, weights, host_tokens)
+                else:
+                    self._wave_loop(x, out, batch, spans, tokens, kpos, weights)
+            finally:
+                provider.release(batch)
         return out
 
     def _wave_loop(
