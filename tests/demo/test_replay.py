@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from moetier.bench.replay import HeapLFU, load_trace, replay, simulate, slots_for_budget
+from moetier.bench.replay import load_trace, replay, simulate, slots_for_budget
 from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord
 from moetier.cli import main
 from moetier.demo.tracing import save_trace
 from moetier.errors import MoetierError
-from moetier.offload.policy import LFUPolicy, make_policy
+from moetier.offload.policy import make_policy
 
 
 def _trace(calls: list[tuple[int, list[list[int]]]], experts: int, top_k: int) -> RoutingTrace:
@@ -65,20 +64,6 @@ def test_full_budget_preloads_everything_and_too_small_a_budget_is_an_error() ->
         replay(trace, "100", ["lru"])
     with pytest.raises(MoetierError, match="unknown expert-cache policy"):
         replay(trace, "50%", ["nope"])
-
-
-def test_heap_lfu_evicts_exactly_like_lfu_policy() -> None:
-    rng = random.Random(0)
-    calls = [
-        (layer, [rng.sample(range(16), 4) for _ in range(rng.choice((1, 1, 1, 5)))])
-        for _ in range(300)
-        for layer in range(3)
-    ]
-    records = _trace(calls, experts=16, top_k=4).records
-    for slots in (4, 7, 20):
-        slow = simulate(records, slots, LFUPolicy(), keep_evictions=True)
-        fast = simulate(records, slots, HeapLFU(), keep_evictions=True)
-        assert (fast.hits, fast.evictions) == (slow.hits, slow.evictions)
 
 
 def test_cli_replay_json_on_a_gzip_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -9,21 +9,18 @@ touches the key. When every expert fits, the engine preloads them all and so doe
 The hit rate is hits over distinct-expert lookups, as `offload_stats()` counts them; Belady's
 is `bench/belady.py`'s on the same waves.
 
-Policies come from `offload/policy.py`'s registry (`make_policy`). A policy whose class must
-scan every resident key per miss (LFU) is replayed by a heap twin that picks the same victim
-(tests check both give identical eviction orders), so a 100k-line trace replays in seconds.
+Policies come from `offload/policy.py`'s registry (`make_policy`), the very classes the engine
+runs; each is O(log n) per operation, so a 100k-line trace replays in seconds.
 """
 
 from __future__ import annotations
 
 import gzip
-import heapq
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moetier.bench.belady import belady
 from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord, read_trace
@@ -57,61 +54,6 @@ def slots_for_budget(header: TraceHeader, budget: str | int | None) -> int:
             f"{format_bytes(expert_bytes)}; one step needs at least top-k = {header.top_k}"
         )
     return int(slots)
-
-
-class HeapLFU(Policy):
-    """LFUPolicy's exact victims (fewest uses since insert, ties to the least recent) in O(log n).
-
-    Each insert or touch pushes (count, tick, key); entries whose key has moved on are stale and
-    skipped when they surface.
-    """
-
-    def __init__(self) -> None:
-        self._state: dict[Any, tuple[int, int]] = {}  # key -> (count, tick of last use)
-        self._heap: list[tuple[int, int, Any]] = []
-        self._tick = 0
-
-    def _push(self, key: Any, count: int) -> None:
-        self._tick += 1
-        self._state[key] = (count, self._tick)
-        heapq.heappush(self._heap, (count, self._tick, key))
-        if len(self._heap) > 4 * len(self._state) + 64:
-            self._heap = [(c, t, k) for k, (c, t) in self._state.items()]
-            heapq.heapify(self._heap)
-
-    def insert(self, key: Any) -> None:
-        self._push(key, 1)
-
-    def touch(self, key: Any) -> None:
-        self._push(key, self._state[key][0] + 1)
-
-    def remove(self, key: Any) -> None:
-        del self._state[key]
-
-    def victim(self, exclude: set | frozenset = frozenset()) -> Any:
-        held = []
-        found = None
-        while self._heap:
-            count, tick, key = self._heap[0]
-            if self._state.get(key) != (count, tick):
-                heapq.heappop(self._heap)
-                continue
-            if key in exclude:
-                held.append(heapq.heappop(self._heap))
-                continue
-            found = key
-            break
-        for item in held:
-            heapq.heappush(self._heap, item)
-        if found is None:
-            raise RuntimeError("no evictable key: every resident key is in use")
-        return found
-
-    def order(self) -> list[Any]:
-        return sorted(self._state, key=lambda k: self._state[k])
-
-
-FAST_TWINS: dict[str, Callable[[], Policy]] = {"lfu": HeapLFU}
 
 
 @dataclass(frozen=True)
@@ -177,7 +119,7 @@ def replay(
     initial = keys if slots >= len(keys) else []  # every expert fits: preloaded, as the engine
     rates: dict[str, float] = {}
     for name in policies:
-        policy = FAST_TWINS[name]() if name in FAST_TWINS else make_policy(name)
+        policy = make_policy(name)
         rates[name] = simulate(trace.records, slots, policy, initial).hit_rate
     best = belady(trace.records, slots, initial=initial).hit_rate
     return slots, best, rates
