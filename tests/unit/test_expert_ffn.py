@@ -71,14 +71,19 @@ print("ok")
 """
 
 
-def test_triton_kernel_matches_reference_in_interpreter() -> None:
+def _run_in_interpreter(code: str) -> None:
+    """Run `code` in a fresh process with Triton's CPU interpreter on (it is read at import)."""
     pytest.importorskip("triton")
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=src)
     run = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_triton_kernel_matches_reference_in_interpreter() -> None:
+    _run_in_interpreter(_KERNEL_CHECK)
 
 
 _NORM_ROPE_CHECK = """
@@ -101,11 +106,4 @@ print("ok")
 
 
 def test_triton_rmsnorm_and_rope_match_reference_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=src)
-    run = subprocess.run(
-        [sys.executable, "-c", _NORM_ROPE_CHECK], env=env, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    _run_in_interpreter(_NORM_ROPE_CHECK)
