@@ -11,40 +11,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from moetier import LLM, SamplingParams
-from moetier.bench.synthetic import SHAPES
-
-
-def write_fast(path: Path, shape: str, layers: int, seed: int = 0) -> Path:
-    """Like bench.synthetic.write_synthetic, but filled on the GPU (CPU randn is too slow)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(SHAPES[shape])
-    config = AutoConfig.for_model(spec.pop("model_type"), num_hidden_layers=layers, **spec)
-    config.dtype = "bfloat16"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    config.architectures = [type(model).__name__]
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in model.state_dict().items():
-        shard = f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "rest.safetensors"
-        if "norm" in name:
-            t = torch.ones(p.shape, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(p.shape, generator=gen, device="cuda") / max(p.shape[-1], 1) ** 0.5)
-            t = t.to(torch.bfloat16).cpu()
-        groups.setdefault(shard, {})[name] = t
-    wm = {}
-    for shard, tensors in groups.items():
-        save_file(tensors, str(path / shard), metadata={"format": "pt"})
-        wm.update({n: shard for n in tensors})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    return path
+from moetier.bench.synthetic import ensure_synthetic
 
 
 def run(path: Path, budget: str | None, variant: dict, tokens: int = 32, host_budget=None) -> dict:
@@ -105,7 +74,7 @@ def main() -> None:
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 12
     shape = sys.argv[3] if len(sys.argv) > 3 else "qwen3-30b-a3b"
     t0 = time.perf_counter()
-    path = write_fast(Path("/tmp/synth") / f"{shape}-{layers}", shape, layers)
+    path = ensure_synthetic(shape, layers, seed=0)  # GPU-filled, cached under MOETIER_HOME
     print(f"wrote checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
     variants = [
         # the previous default: grouped gather + bmm, eager norms and rotary
