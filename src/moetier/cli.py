@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from moetier import LLM, SamplingParams
 
+    # Sampling flags are checked before the model loads (a typo should not cost a load).
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -84,13 +92,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed or 0,
     )
     load_s = time.perf_counter() - start
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
     start = time.perf_counter()
     if has_template and not args.no_chat:

@@ -99,6 +99,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
 
+    def __post_init__(self) -> None:
+        _at_least_1("max_num_seqs", self.max_num_seqs, "sequences in one step")
+        _at_least_1("max_num_batched_tokens", self.max_num_batched_tokens, "tokens in one step")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -108,6 +112,19 @@ class CacheConfig:
     num_blocks: int | None = None  # None = what kv_cache_bytes buys
     kv_cache_bytes: Budget = None  # None = 4 GiB on CUDA, 512 MiB on CPU (capped by need)
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _at_least_1("kv_block_size", self.block_size, "tokens per KV block")
+        if self.num_blocks is not None:
+            _at_least_1("num_kv_blocks", self.num_blocks, "KV blocks (None = sized from memory)")
+        if self.max_model_len is not None:
+            _at_least_1("max_model_len", self.max_model_len, "tokens (None = the checkpoint's)")
+
+
+def _at_least_1(name: str, value: object, what: str) -> None:
+    """Refuse a count below 1 (a step of 0 sequences or tokens would never make progress)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
 
 
 @dataclass(frozen=True)

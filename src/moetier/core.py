@@ -5,14 +5,22 @@ Holds no tensors and imports nothing else from the package except errors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moetier.errors import ConfigError
 
+# Temperatures below this are greedy: dividing logits by 1e-40 overflows to inf and softmax
+# gives NaN, while the limit of sampling as temperature -> 0 is argmax anyway (vLLM does the same).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens; temperature 0 means greedy (vLLM-shaped)."""
+    """How to pick tokens; temperature 0 (or below GREEDY_TEMPERATURE) means greedy (vLLM-shaped).
+
+    Every field is checked here, so a bad value fails before any work starts.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -26,18 +34,42 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from moetier.config import Budget, CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
+from moetier.config import (
+    Budget,
+    CacheConfig,
+    EngineConfig,
+    OffloadConfig,
+    SchedulerConfig,
+    parse_budget,
+)
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError
@@ -32,6 +39,18 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("no usable tokenizer in %s (%s); prompts must be token ids", model_dir, reason)
         return None
+
+
+def _check_budgets_and_policy(expert_budget: Budget, host_budget: Budget, policy: str) -> None:
+    """Budget syntax and the policy name, before the checkpoint is read (sizes come later)."""
+    from moetier.offload.policy import POLICIES
+
+    parse_budget(expert_budget, 0, "expert budget")
+    parse_budget(host_budget, 0, "host budget")
+    if policy not in POLICIES:
+        raise ConfigError(
+            f"unknown expert-cache policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}"
+        )
 
 
 class LLM:
@@ -57,6 +76,10 @@ class LLM:
         kv_block_size: int = 16,
         max_model_len: int | None = None,
     ) -> None:
+        # Every setting is checked before any work (the demo build, the checkpoint load).
+        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        cache = CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len)
+        _check_budgets_and_policy(expert_budget, host_budget, policy)
         if model is None:
             from moetier.demo.builder import ensure_demo_model
 
@@ -67,8 +90,8 @@ class LLM:
             dtype=dtype,
             seed=seed,
             offload=OffloadConfig(expert_budget, host_budget, policy),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            cache=CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len),
+            scheduler=scheduler,
+            cache=cache,
             progress=progress,
             moe_grouped_max_bytes=moe_grouped_max_bytes,
             moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
@@ -85,7 +108,9 @@ class LLM:
                     "this checkpoint has no tokenizer: pass prompts as token id lists"
                 )
             return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ConfigError("a prompt must be a string or a list of token ids")
         return list(prompt)
 
@@ -96,6 +121,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts together as one batch; one RequestOutput per prompt, in order."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
         batch: list[Prompt] = (
             [prompts]  # type: ignore[list-item]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))

@@ -23,7 +23,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", nargs="?", default=None, help="model directory (default: demo model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--expert-budget", default=None, help="device slots for routed experts")
     p.add_argument("--host-budget", default=None, help="host RAM for routed experts")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -43,7 +43,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=_positive, default=16)
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+    p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may finish")  # fmt: skip
     p.set_defaults(func=cmd_serve)
     return p
@@ -60,6 +60,20 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
