@@ -88,7 +88,9 @@ class OffloadConfig:
 
     expert_budget: Budget = None  # device slots; None = every routed expert resident
     host_budget: Budget = None  # host RAM tier; None = all routed experts (CUDA) / 0 (CPU)
-    policy: str = "lfru"  # expert-slot policy (offload/policy.py); chosen on replay hit rates
+    # Expert-slot policy (offload/policy.py). lfru beats lru on replayed hit rates, but the ship
+    # gate said NO-SHIP on the CPU (bench/results/2026-12-03-gate-policy-lfru-cpu-trace.md).
+    policy: str = "lru"
     pin_host_memory: bool = True  # only applies when the compute device is CUDA
 
 

@@ -28,7 +28,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host-budget", default=None, help="host RAM for routed experts")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--policy", default="lru", help="expert-cache policy (lru, lfu)")
+    p.add_argument(
+        "--policy", default="lru", help="expert-cache policy (lru, lfu, lfru, least-stale)"
+    )
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
     p.add_argument(_PUBLIC_FLAG, action="store_true",
