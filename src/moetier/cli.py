@@ -115,7 +115,8 @@ def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, float]
         f"slots, hits device {s['device_hit_rate']:.1%} host {s['host_hit_rate']:.1%} "
         f"disk {s['disk_read_rate']:.1%} | moved {format_bytes(moved)} "
         f"(disk->host {format_bytes(s['bytes_disk_to_host'])}, host->device "
-        f"{format_bytes(s['bytes_host_to_device'])}) | exposed fetch {s['exposed_fetch_s']:.3f} s"
+        f"{format_bytes(s['bytes_host_to_device'])}) | exposed fetch {s['exposed_fetch_s']:.3f} s, "
+        f"miss handling {s['miss_host_s']:.3f} s, routing-sync wait {s['routing_sync_s']:.3f} s"
     )
 
 

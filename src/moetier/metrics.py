@@ -38,6 +38,17 @@ _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
         {},
     ),
     "disk_read_s": ("moetier:expert_disk_read_seconds", "Time spent reading expert shards", {}),
+    "resident_lookups": (
+        "moetier:expert_resident_lookups",
+        "(token, expert) lookups served by the all-resident device slot table (no host decision)",
+        {},
+    ),
+    "miss_host_s": ("moetier:expert_miss_host_seconds", "Host time handling expert misses", {}),
+    "routing_sync_s": (
+        "moetier:expert_routing_sync_seconds",
+        "Host time waiting at MoE routing syncs",
+        {},
+    ),
     "num_preemptions": ("moetier:num_preemptions", "Requests preempted (KV blocks ran out)", {}),
 }
 # Engine snapshot key -> (metric name, help) for current values.
