@@ -48,6 +48,8 @@ class SamplingParams:
             raise ConfigError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+                raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
         ids = self.stop_token_ids

@@ -41,6 +41,8 @@ NAN, INF = float("nan"), float("inf")
         ({"max_tokens": 2.0}, "max_tokens must be an integer"),
         ({"max_tokens": True}, "max_tokens must be an integer"),
         ({"seed": "x"}, "seed must be an integer"),
+        ({"seed": 2**64}, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+        ({"seed": -(2**63) - 1}, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
         ({"stop": [1]}, "stop must be a string or a list of strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids"),
