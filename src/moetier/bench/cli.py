@@ -1,4 +1,4 @@
-"""`moetier bench latency | gate | plot`: argument parsing for the bench, then hand-off.
+"""`moetier bench latency | gate | serve | plot`: argument parsing for the bench, then hand-off.
 
 Owns the bench subcommands' flags only; the measurement lives in latency.py and gate.py.
 """
@@ -56,6 +56,12 @@ def add_bench_parser(sub: Any) -> None:
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--fill-device", default=None, help="default: cuda when available")
     syn.set_defaults(func=cmd_synthetic)
+    srv = bsub.add_parser(
+        "serve", help="TTFT/TPOT/ITL and throughput through an OpenAI-compatible server"
+    )
+    from moetier.bench.serve_cli import add_serve_bench_args
+
+    add_serve_bench_args(srv)
     plot = bsub.add_parser("plot", help="PNG plots from a saved latency result JSON")
     plot.add_argument("result", help="a --save-result JSON file")
     plot.add_argument("--out-dir", default=None, help="default: next to the JSON")
