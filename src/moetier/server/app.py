@@ -28,6 +28,10 @@ from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, er
 
 log = logging.getLogger(__name__)
 
+# /health reports "degraded" (HTTP 200: the server still answers what it can) for this long after
+# an engine step failed requests (an unreadable expert shard, non-finite logits, ...).
+FAULT_WINDOW_S = 300.0
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -190,15 +194,28 @@ def _add_ops_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) 
         if client.dead:
             return JSONResponse({"status": "degraded", "error": client.dead}, status_code=503)
         if not check:
-            return JSONResponse({"status": "ok", **metrics.engine_snapshot()})
+            return JSONResponse({**_fault_status(client), **metrics.engine_snapshot()})
         error, stats = await client.check()
         if error:
             return JSONResponse({"status": "degraded", "error": error}, status_code=503)
-        return JSONResponse({"status": "ok", **stats})
+        return JSONResponse({**_fault_status(client), **stats})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _fault_status(client: EngineClient) -> dict[str, Any]:
+    """Status "ok", or "degraded" with the latest engine step error from FAULT_WINDOW_S."""
+    fault = getattr(client, "last_fault", None)
+    if fault is None or time.monotonic() - fault[0] > FAULT_WINDOW_S:
+        return {"status": "ok"}
+    return {
+        "status": "degraded",
+        "error": fault[1],
+        "error_age_s": round(time.monotonic() - fault[0], 3),
+        "failed_requests": getattr(client, "failed_requests", 0),
+    }
 
 
 def _install_errors(app: FastAPI, metrics: ServerMetrics) -> None:

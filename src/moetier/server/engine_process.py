@@ -144,6 +144,9 @@ def _serve(eng: Any, cmd_q: Any, out_q: Any) -> None:
                 return
             if deltas:
                 out_q.put(("deltas", deltas))
+                failed = [d.error for d in deltas if d.error]
+                if failed:  # a failed step (disk read, non-finite logits, ...): /health says so
+                    out_q.put(("fault", len(failed), failed[0]))
         if time.monotonic() - last_stats > _STATS_PERIOD_S:
             out_q.put(("stats", eng.stats()))
             last_stats = time.monotonic()
@@ -198,6 +201,8 @@ class EngineClient:
         self._checks: dict[int, asyncio.Future[tuple[str | None, dict[str, float]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: str | None = None
+        self.failed_requests = 0  # requests failed by an engine step error (not user errors)
+        self.last_fault: tuple[float, str] | None = None  # (time.monotonic(), error)
 
     def start(self, timeout_s: float = 3600.0) -> dict[str, Any]:
         """Start the process and wait until the model is loaded; raise its error if it fails."""
@@ -264,6 +269,9 @@ class EngineClient:
             stream = self.streams.pop(msg[1].request_id, None)
             if stream is not None:
                 stream.queue.put_nowait((stream.index, msg[1]))
+        elif kind == "fault":
+            self.failed_requests += msg[1]
+            self.last_fault = (time.monotonic(), msg[2])
         elif kind == "stats" and self.on_stats is not None:
             self.on_stats(msg[1])
         elif kind == "check":
