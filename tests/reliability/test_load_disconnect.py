@@ -36,12 +36,20 @@ def reference(tiny_model: Path) -> list[list[int]]:
     return [llm.generate([p], sp)[0].outputs[0].token_ids for (p, _), sp in zip(CASES, params)]
 
 
-@pytest.fixture(scope="module")
-def server(serve: StartServer, tiny_model: Path) -> LiveServer:
-    return serve(
-        tiny_model, "--max-num-seqs", "32", "--max-waiting", str(CLIENTS + 16),
-        "--expert-budget", "50%",
-    )  # fmt: skip
+VARIANTS = {
+    "roomy": ["--max-num-seqs", "32"],
+    # 24 blocks of 8 tokens for requests of up to 64 tokens: preemption while clients leave.
+    "cramped": ["--max-num-seqs", "32", "--num-kv-blocks", "24", "--kv-block-size", "8",
+                "--max-num-batched-tokens", "64"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def server(serve: StartServer, tiny_model: Path, request: pytest.FixtureRequest) -> LiveServer:
+    extra = VARIANTS[request.param]
+    server = serve(tiny_model, *extra, "--max-waiting", str(CLIENTS + 16), "--expert-budget", "50%")
+    server.variant = request.param  # type: ignore[attr-defined]
+    return server
 
 
 async def _client(
@@ -97,8 +105,10 @@ def test_concurrent_streams_with_disconnects(
     h = _idle(server)
     assert h["status"] == "ok" and h["kv_blocks_used"] == 0
     assert server.proc.poll() is None
+    if server.variant == "cramped":  # type: ignore[attr-defined]
+        assert h["num_preemptions"] > 0
     record(
-        "load",
+        f"load-{server.variant}",  # type: ignore[attr-defined]
         {"clients": CLIENTS, "disconnected": left, "completed": len(completed),
          "mismatched": len(mismatched), "kv_blocks_used_after": h["kv_blocks_used"],
          "preemptions": h["num_preemptions"], "seconds": elapsed},
