@@ -56,12 +56,6 @@ def _expert_ranges(ckpt: Checkpoint, layer: int, expert: int) -> list[tuple[Path
     ]
 
 
-SLOT_LEAK = (
-    "offload/expert_cache.py ExpertCache._load claims a slot, then reads the expert; when the "
-    "read raises, the slot is neither installed nor returned to the free list (integrity check "
-    "fails; once every slot leaks, each step fails with 'no evictable key'). Fix: on an "
-    "exception in the read, put the slot back on self.free and re-raise."
-)
 
 
 def _inject_eio(llm: LLM, layer: int, expert: int) -> Any:
@@ -106,7 +100,6 @@ def test_injected_io_error_names_the_file_and_the_engine_goes_on(
     assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
 
 
-@pytest.mark.xfail(strict=True, reason=SLOT_LEAK)
 def test_injected_io_error_fails_only_requests_that_need_it(
     tiny_model: Path, reference: list[list[int]]
 ) -> None:
@@ -177,7 +170,6 @@ def test_shard_truncated_mid_run_is_reported(
     _restore(shard, removed)
 
 
-@pytest.mark.xfail(strict=True, reason=SLOT_LEAK)
 def test_shard_truncated_mid_run_others_complete(
     serve: StartServer, tiny_model: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:

@@ -128,15 +128,19 @@ class ExpertCache:
         slot = self._claim_slot(in_use)
         dst = self.slots[slot]
         src = self.host.lookup(key)
-        if src is not None:
-            self.stats.host_hits += 1
-            row = self.host.row_of(key)
-        elif not self.cuda and not self.host.capacity:
-            self.host.read_direct(key, dst)
-            self._install(key, slot)
-            return slot, None
-        else:
-            src, row = self.host.read(key)
+        try:  # a failed read (missing, truncated or unreadable shard) hands the slot back
+            if src is not None:
+                self.stats.host_hits += 1
+                row = self.host.row_of(key)
+            elif not self.cuda and not self.host.capacity:
+                self.host.read_direct(key, dst)
+                self._install(key, slot)
+                return slot, None
+            else:
+                src, row = self.host.read(key)
+        except BaseException:
+            self.free.append(slot)
+            raise
         event = self.transfer.copy(dst, src, after=self.slot_free_event.pop(slot, None))
         self.host.mark_in_flight(row, event)
         self.stats.bytes_host_to_device += src.numel() * src.element_size()
