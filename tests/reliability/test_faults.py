@@ -56,8 +56,6 @@ def _expert_ranges(ckpt: Checkpoint, layer: int, expert: int) -> list[tuple[Path
     ]
 
 
-
-
 def _inject_eio(llm: LLM, layer: int, expert: int) -> Any:
     """Reads of expert (layer, expert) raise EIO from now on; returns the real reader."""
     ckpt = llm.engine.runner.checkpoint
@@ -150,26 +148,6 @@ def _restore(shard: Path, removed: bytes) -> None:
         f.write(removed)
 
 
-def test_shard_truncated_mid_run_is_reported(
-    serve: StartServer, tiny_model: Path, tmp_path: Path, reference: list[list[int]]
-) -> None:
-    server, shard, removed = _truncated_server(serve, tiny_model, tmp_path, reference)
-    first_error = None
-    for prompt in PROMPTS:
-        r = _complete(server, prompt)
-        if r.status_code != 200:
-            first_error = r.json()["error"]
-            assert r.status_code == 500 and first_error["type"] == "server_error", r.text
-            break
-    assert first_error is not None, "no prompt needed the lost expert"
-    assert f"{shard}: unexpected end of file" in first_error["message"], first_error
-    assert server.proc.poll() is None
-    health = httpx.get(f"{server.url}/health", timeout=10).json()
-    assert health["status"] == "degraded" and str(shard) in health["error"], health
-    assert health["failed_requests"] >= 1
-    _restore(shard, removed)
-
-
 def test_shard_truncated_mid_run_others_complete(
     serve: StartServer, tiny_model: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
@@ -181,8 +159,14 @@ def test_shard_truncated_mid_run_others_complete(
         if r.status_code == 200:
             assert r.json()["choices"][0]["token_ids"] == ref
         else:
-            assert f"{shard}: unexpected end of file" in r.json()["error"]["message"], r.text
+            err = r.json()["error"]
+            assert r.status_code == 500 and err["type"] == "server_error", r.text
+            assert f"{shard}: unexpected end of file" in err["message"], r.text
     assert 500 in codes and 200 in codes[1:], codes
+    assert server.proc.poll() is None
+    health = httpx.get(f"{server.url}/health", timeout=10).json()  # cheap: says what and how many
+    assert health["status"] == "degraded" and str(shard) in health["error"], health
+    assert health["failed_requests"] == codes.count(500)
     health = server.health()  # integrity checks pass: nothing leaked by the failed steps
     assert health["status"] == "degraded" and health["kv_blocks_used"] == 0
     _restore(shard, removed)
