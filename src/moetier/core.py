@@ -13,6 +13,9 @@ from moetier.errors import ConfigError
 # Temperatures below this are greedy: dividing logits by 1e-40 overflows to inf and softmax
 # gives NaN, while the limit of sampling as temperature -> 0 is argmax anyway (vLLM does the same).
 GREEDY_TEMPERATURE = 1e-5
+# A smaller top_p rounds to 0 in float32 and the sampler would drop every token. Any top_p at or
+# below 1/vocab keeps the top token alone, so raising it to this floor picks the same tokens.
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -43,6 +46,7 @@ class SamplingParams:
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_p = max(self.top_p, MIN_TOP_P)
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")

@@ -171,6 +171,7 @@ HOSTILE: list[tuple[str, bytes | dict[str, Any]]] = [
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": [""], "max_tokens": 3}),
     ("/v1/completions", {"model": M, "prompt": "hi", "top_k": 10**9, "max_tokens": 3}),
     ("/v1/completions", {"model": M, "prompt": "hi", "temperature": 1e-300, "max_tokens": 3}),
+    ("/v1/chat/completions", {"model": M, "messages": [{"role": "system"}], "top_p": 5e-324}),
     ("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 20, "max_tokens": 3}),
     ("/v1/completions", {"model": M, "prompt": "hi\x00\ufffd\U0001f600", "max_tokens": 3}),
     ("/v1/completions", b'{"model": "' + b"x" * 10 + b'", "prompt": "\\ud800", "max_tokens": 2}'),

@@ -118,6 +118,16 @@ def test_tiny_temperature_is_greedy(llm: LLM, extra: dict[str, Any]) -> None:
     assert not SamplingParams(temperature=1e-3).greedy  # small but meaningful: still sampled
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-30, 1e-7])
+def test_tiny_top_p_keeps_the_top_token(llm: LLM, top_p: float) -> None:
+    """top_p = 5e-324 (found by the fuzzer) rounded to 0 in float32 and dropped every token."""
+    prompt = [[3, 1, 4, 1, 5]]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tiny = SamplingParams(max_tokens=6, temperature=1.0, top_p=top_p, ignore_eos=True, seed=1)
+    out = llm.generate(prompt, tiny)
+    assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     "flags,phrase",
     [
