@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from moetier.metrics import ServerMetrics
 from moetier.server import app as app_module
 from moetier.server import cli as server_cli
 from moetier.server.app import ServerSettings, create_app
-from tests.server.conftest import LiveServer, free_port, stop_server
+from tests.server.conftest import LiveServer, free_port, stop_server, wait_until_up
 from tests.server.test_errors_inprocess import ScriptedClient
 
 KEY = "sk-secret-5b0c2e9d41"
@@ -143,18 +142,7 @@ def _start_verbose(model: Path, log_path: Path) -> LiveServer:
            "--device", "cpu", "--dtype", "float32", "--max-model-len", "64"]  # fmt: skip
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    server = LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, server.log()
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"server did not come up:\n{server.log()}")
+    return wait_until_up(LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path))
 
 
 def _non_loopback_address() -> str | None:

@@ -57,7 +57,12 @@ def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
     cmd += ["--device", DEVICE, "--dtype", "float32", *extra]
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    server = LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path)
+    return wait_until_up(LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path))
+
+
+def wait_until_up(server: LiveServer) -> LiveServer:
+    """Poll /health until the server answers; raise with its log if it exits or never does."""
+    proc = server.proc
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -91,12 +91,28 @@ def _top_k_ids(output: Any, top_k: int) -> torch.Tensor:
     return logits.float().topk(top_k, dim=-1).indices
 
 
+def greedy_chat(
+    model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: Any = "cpu"
+) -> None:
+    """Greedy transformers generation of one chat prompt (routers are observed through hooks)."""
+    from moetier.demo.calibration import chat_prompt_ids
+
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+
+
 def collect_routing_from_model(
     model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
 ) -> RoutingTrace:
     """Routing trace of a loaded transformers MoE model (see collect_routing)."""
-    from moetier.demo.calibration import chat_prompt_ids
-
     top_k = _config_int(model.config, _TOP_K_KEYS)
     routers = find_routers(model)
     steps: list[list[torch.Tensor]] = [[] for _ in routers]
@@ -114,17 +130,8 @@ def collect_routing_from_model(
         for prompt in prompts:
             for chunks in steps:
                 chunks.clear()
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
             with torch.inference_mode():
-                model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                )
+                greedy_chat(model, tokenizer, prompt, max_new_tokens, device)
             trace.append(
                 [[tuple(int(e) for e in row) for row in torch.cat(c).tolist()] for c in steps]
             )

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from moetier.bench.routing import DEFAULT_PROMPTS, RoutingSummary, summarize_routing
+from moetier.bench.routing import (
+    DEFAULT_PROMPTS,
+    RoutingSummary,
+    greedy_chat,
+    summarize_routing,
+)
 from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord, write_trace
 from moetier.demo.variants import DemoSpec
 
@@ -98,23 +103,12 @@ def trace_routing(
     fed back, as in any engine: a prompt of P tokens answered with N tokens gives one prefill
     step of P tokens and N - 1 decode steps.
     """
-    from moetier.demo.calibration import chat_prompt_ids
-
     tap = _RouterTap(model, routers, header.top_k)
     bar = tqdm(prompts, desc="tracing prompts", unit="prompt", disable=not progress)
     with tap, torch.inference_mode():
         for request, prompt in enumerate(bar):
             tap.request = request
-            ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
-            model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
+            greedy_chat(model, tokenizer, prompt, max_new_tokens)
     return RoutingTrace(header, tap.records)
 
 

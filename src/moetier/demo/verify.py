@@ -52,21 +52,26 @@ def load_float32(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).float().eval()
 
 
+def _mixtral_argmax(path: Path, prompt_ids: list[int], expected_ids: list[int]) -> list[int]:
+    """Teacher-forced argmax ids of the checkpoint at path, loaded in float32 as Mixtral."""
+    model = load_float32(path)
+    try:
+        arch = type(model).__name__
+        if arch != "MixtralForCausalLM":
+            raise RuntimeError(f"checkpoint loads as {arch}, not MixtralForCausalLM")
+        return teacher_forced_argmax(model, prompt_ids, expected_ids)
+    finally:
+        del model
+        gc.collect()
+
+
 def verify_checkpoint(path: Path, prompt_ids: list[int], expected_ids: list[int]) -> None:
     """Load path with AutoModelForCausalLM and check it predicts expected_ids in float32.
 
     Raises RuntimeError on any mismatch: the upcycled model must compute the dense model.
     """
     log.info("verifying %s through transformers", path.name)
-    model = load_float32(path)
-    try:
-        arch = type(model).__name__
-        if arch != "MixtralForCausalLM":
-            raise RuntimeError(f"checkpoint loads as {arch}, not MixtralForCausalLM")
-        got = teacher_forced_argmax(model, prompt_ids, expected_ids)
-    finally:
-        del model
-        gc.collect()
+    got = _mixtral_argmax(path, prompt_ids, expected_ids)
     if got != expected_ids:
         raise RuntimeError(
             f"upcycled checkpoint disagrees with the dense model: {got} != {expected_ids}"
@@ -108,13 +113,5 @@ def check_index(path: Path, num_experts: int, top_k: int) -> None:
 
 def dense_agreement(path: Path, prompt_ids: list[int], expected_ids: list[int]) -> float:
     """Share of expected_ids a (perturbed) checkpoint predicts teacher-forced, in float32."""
-    model = load_float32(path)
-    try:
-        arch = type(model).__name__
-        if arch != "MixtralForCausalLM":
-            raise RuntimeError(f"checkpoint loads as {arch}, not MixtralForCausalLM")
-        got = teacher_forced_argmax(model, prompt_ids, expected_ids)
-    finally:
-        del model
-        gc.collect()
+    got = _mixtral_argmax(path, prompt_ids, expected_ids)
     return sum(a == b for a, b in zip(got, expected_ids)) / max(len(expected_ids), 1)

@@ -67,12 +67,13 @@ def expert_ffn(
     x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
 ) -> torch.Tensor:
     """The kernel when Triton and the device allow it, else the reference (same contract)."""
-    if (x.is_cuda or _interpreting()) and triton_available():
+    if kernel_ok(x):
         return _triton.expert_ffn_triton(x, pool, slots, weights, inter)
     return expert_ffn_reference(x, pool, slots, weights, inter)
 
 
-def _interpreting() -> bool:
+def kernel_ok(x: torch.Tensor) -> bool:
+    """A Triton kernel can run on x: CUDA with Triton, or Triton's CPU interpreter (tests)."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available()

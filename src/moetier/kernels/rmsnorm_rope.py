@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moetier.kernels.expert_ffn import triton_available
+from moetier.kernels.expert_ffn import kernel_ok
 
 # Legend: T tokens, H heads, d head dim.
 
@@ -33,14 +33,8 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + rotate_half(x) * sin
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
-    import os
-
-    return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available()
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
-    if fused and _kernel_ok(x):
+    if fused and kernel_ok(x):
         from moetier.kernels._rmsnorm_rope_triton import rmsnorm_triton
 
         return rmsnorm_triton(x, weight, eps)
@@ -48,7 +42,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> t
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused and x.dim() == 3 and _kernel_ok(x):
+    if fused and x.dim() == 3 and kernel_ok(x):
         from moetier.kernels._rmsnorm_rope_triton import rope_triton
 
         return rope_triton(x, cos, sin)
