@@ -1,0 +1,221 @@
+"""Next-layer expert predictors: small pure-Python classes behind a registry.
+
+Owns guessing which experts an upcoming MoE layer call will need; it never moves weights (the
+prefetcher and the transfer engine act on its guesses) and never imports engine code.
+
+Contract (every predictor):
+
+- `observe(layer, experts, requests=None)`: the routing of one MoE layer call, in call order.
+  `experts` are the call's routed ids flat in token order (`[T*K]`, as `MoEBlock.route_observer`
+  gets them); `requests` gives each token's request id (`[T]`) or is None (all tokens one
+  anonymous request; then a list of distinct experts is fine too).
+- `predict(layer, ahead=1, hidden=None, limit=None)`: experts predicted for the MoE layer
+  `ahead` MoE layers after `layer` in the model's MoE layer order (wrapping to the next step's
+  first layers), best first. Called after `observe(layer, ...)`. `hidden` is the input of
+  `layer`'s router (`[T, D]`), used by `gate-lookahead` only. Without `limit` the list holds as
+  many experts as `layer`'s last call had distinct ones (the current batch's width); `limit`
+  caps it.
+- `reset()`: forget everything (a new run).
+
+`layer` is the model's layer index, as in `ExpertKey` and in routing traces. The MoE layer
+order comes from `moe_layers=` or is learned from the calls observed (ascending layer ids).
+
+Registry: `same-index` (the baseline: the next layer needs the expert ids this one used -- no
+basis in standard MoEs, kept to measure against), `activation` (per-request expert activation
+matrices matched against a library of finished requests', after MoE-Infinity), and
+`gate-lookahead` (the target layer's router applied to this layer's router input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from moetier.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from moetier.offload.activation import ActivationTracker
+
+
+class Predictor:
+    """Predicts the experts of upcoming MoE layer calls from the routing seen so far."""
+
+    name = "predictor"
+
+    def __init__(self, moe_layers: Sequence[int] | None = None) -> None:
+        self._fixed_layers = list(moe_layers) if moe_layers is not None else None
+        self._layers: list[int] = sorted(self._fixed_layers or [])
+        self._index: dict[int, int] = {la: i for i, la in enumerate(self._layers)}
+        self._width: dict[int, int] = {}  # layer -> distinct experts of its last call
+
+    # the interface
+    def observe(
+        self, layer: int, experts: Sequence[int], requests: Sequence[int] | None = None
+    ) -> None:
+        self._learn_layer(layer)
+        self._width[layer] = len(set(experts))
+        self._observe(layer, experts, requests)
+
+    def predict(
+        self,
+        layer: int,
+        ahead: int = 1,
+        hidden: torch.Tensor | None = None,
+        limit: int | None = None,
+    ) -> list[int]:
+        target = self.target_layer(layer, ahead)
+        if target is None:
+            return []
+        n = self._width.get(layer, 0) if limit is None else limit
+        if n <= 0:
+            return []
+        return self._predict(layer, target, n, hidden)[:n]
+
+    def reset(self) -> None:
+        self._layers = sorted(self._fixed_layers or [])
+        self._index = {la: i for i, la in enumerate(self._layers)}
+        self._width = {}
+        self._reset()
+
+    def target_layer(self, layer: int, ahead: int = 1) -> int | None:
+        """The MoE layer `ahead` MoE layers after `layer` (wrapping around), None if unknown."""
+        i = self._index.get(layer)
+        if i is None or ahead < 1:
+            return None
+        return self._layers[(i + ahead) % len(self._layers)]
+
+    # subclasses
+    def _observe(self, layer: int, experts: Sequence[int], requests: Sequence[int] | None) -> None:
+        pass
+
+    def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        pass
+
+    def _learn_layer(self, layer: int) -> None:
+        if layer in self._index:
+            return
+        self._layers = sorted({*self._layers, layer})
+        self._index = {la: i for i, la in enumerate(self._layers)}
+
+
+def _ranked(experts: Sequence[int]) -> list[int]:
+    """Distinct experts by how many tokens chose them, then by first appearance."""
+    count: dict[int, int] = {}
+    for e in experts:
+        count[e] = count.get(e, 0) + 1
+    return sorted(count, key=lambda e: -count[e])  # sorted is stable: first appearance
+
+
+class SameIndexPredictor(Predictor):
+    """Baseline: the target layer needs the expert ids `layer` just used (most tokens first).
+
+    Expert ids of different layers are unrelated in standard MoEs; this is what MoE-Infinity's
+    open-source prefetch does, kept as the floor to measure the others against.
+    """
+
+    name = "same-index"
+
+    def __init__(self, moe_layers: Sequence[int] | None = None) -> None:
+        super().__init__(moe_layers)
+        self._last: dict[int, list[int]] = {}
+
+    def _observe(self, layer: int, experts: Sequence[int], requests: Sequence[int] | None) -> None:
+        self._last[layer] = _ranked(experts)
+
+    def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
+        return self._last.get(layer, [])
+
+    def _reset(self) -> None:
+        self._last = {}
+
+
+class ActivationPredictor(Predictor):
+    """Experts the target layer is expected to need by the requests of the last call, from
+    their expert activation matrices (layers x experts counts so far) blended with the most
+    similar finished requests' matrices (cosine similarity; `offload/activation.py`, shared
+    with the `activation` eviction policy)."""
+
+    name = "activation"
+
+    def __init__(self, moe_layers: Sequence[int] | None = None, **tracker_kw: Any) -> None:
+        super().__init__(moe_layers)
+        from moetier.offload.activation import ActivationTracker
+
+        self._tracker_kw = tracker_kw
+        self.tracker: ActivationTracker = ActivationTracker(**tracker_kw)
+        self._active: list[int] = []  # requests of the last call
+
+    def _observe(self, layer: int, experts: Sequence[int], requests: Sequence[int] | None) -> None:
+        self._active = self.tracker.observe(layer, experts, requests)
+
+    def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
+        return self.tracker.top_experts(target, self._active, n)
+
+    def _reset(self) -> None:
+        from moetier.offload.activation import ActivationTracker
+
+        self.tracker = ActivationTracker(**self._tracker_kw)
+        self._active = []
+
+
+Router = Callable[["torch.Tensor"], Any]
+
+
+class GateLookaheadPredictor(Predictor):
+    """The target layer's router applied to `layer`'s router input: residual streams change
+    little from one layer to the next, so the next router's choice on this layer's hidden state
+    is a good guess (published: ~80-97% of next-layer experts).
+
+    `routers` maps a MoE layer id to a callable `hidden [T, D] -> ids [T, K]` or
+    `-> (ids [T, K], weights [T, K])` (the family routers in `layers/moe.py` and
+    `layers/deepseek_router.py` return the pair); `from_blocks` builds it from a model's MoE
+    blocks (`model.moe_blocks()`). Without a hidden state it predicts nothing.
+    """
+
+    name = "gate-lookahead"
+
+    def __init__(
+        self, routers: Mapping[int, Router] | None = None, moe_layers: Sequence[int] | None = None
+    ) -> None:
+        self.routers: dict[int, Router] = dict(routers or {})
+        super().__init__(moe_layers if moe_layers is not None else sorted(self.routers) or None)
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[Any]) -> GateLookaheadPredictor:
+        """From MoE blocks (anything with `.layer` and a `.gate` router module)."""
+        return cls({int(b.layer): b.gate for b in blocks})
+
+    def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
+        router = self.routers.get(target)
+        if hidden is None or router is None:
+            return []
+        import torch
+
+        with torch.no_grad():
+            out = router(hidden)
+        ids = out[0] if isinstance(out, tuple) else out  # [T, K]
+        return _ranked(ids.flatten().tolist())
+
+
+PREDICTORS: dict[str, Callable[..., Predictor]] = {
+    "same-index": SameIndexPredictor,
+    "activation": ActivationPredictor,
+    "gate-lookahead": GateLookaheadPredictor,
+}
+
+
+def make_predictor(name: str, **kw: Any) -> Predictor:
+    """A predictor by registry name; `kw` go to its constructor (e.g. `moe_layers=`, or
+    `routers=` for `gate-lookahead`)."""
+    try:
+        factory = PREDICTORS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown expert predictor {name!r}; choose one of {', '.join(sorted(PREDICTORS))}"
+        ) from None
+    return factory(**kw)
