@@ -14,7 +14,7 @@ from moetier.bench.cli import add_bench_parser
 from moetier.config import format_bytes
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
-from moetier.server.cli import add_serve_parser
+from moetier.server.cli import PREFETCH_HELP, add_serve_parser
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy", default="lru", help="expert-cache policy (lru, lfu, lfru, least-stale)"
     )
+    p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
+    p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         policy=args.policy,
+        prefetch=args.prefetch,
+        prefetch_ahead=args.prefetch_ahead,
         seed=args.seed or 0,
     )
     load_s = time.perf_counter() - start

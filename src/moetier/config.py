@@ -92,6 +92,22 @@ class OffloadConfig:
     # gate said NO-SHIP on the CPU (bench/results/2026-12-03-gate-policy-lfru-cpu-trace.md).
     policy: str = "lru"
     pin_host_memory: bool = True  # only applies when the compute device is CUDA
+    # Next-layer prefetch (offload/predict.py registry name); None = off, the default until the
+    # ship gate ships a predictor. Only acts when experts are offloaded (never on the
+    # all-resident path). `prefetch_ahead`: how many MoE layers ahead to prefetch for.
+    prefetch: str | None = None
+    prefetch_ahead: int = 1
+    # Prefetch copies move in chunks of this many bytes, so an on-demand miss waits behind at
+    # most one chunk of prefetch on the copy stream.
+    transfer_chunk_bytes: int = 8 << 20
+    io_threads: int = 2  # background threads reading experts from disk (on-demand first)
+
+    def __post_init__(self) -> None:
+        _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
+        _at_least_1("transfer_chunk_bytes", self.transfer_chunk_bytes, "bytes per prefetch copy")
+        _at_least_1("io_threads", self.io_threads, "disk read threads")
+        if self.prefetch is not None and not isinstance(self.prefetch, str):
+            raise ConfigError(f"prefetch must be a predictor name or None, got {self.prefetch!r}")
 
 
 @dataclass(frozen=True)

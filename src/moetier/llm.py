@@ -41,15 +41,24 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         return None
 
 
-def _check_budgets_and_policy(expert_budget: Budget, host_budget: Budget, policy: str) -> None:
-    """Budget syntax and the policy name, before the checkpoint is read (sizes come later)."""
+def _check_budgets_and_policy(
+    expert_budget: Budget, host_budget: Budget, policy: str, prefetch: str | None = None
+) -> None:
+    """Budget syntax, the policy and predictor names, before the checkpoint is read (sizes come
+    later)."""
     from moetier.offload.policy import POLICIES
+    from moetier.offload.predict import PREDICTORS
 
     parse_budget(expert_budget, 0, "expert budget")
     parse_budget(host_budget, 0, "host budget")
     if policy not in POLICIES:
         raise ConfigError(
             f"unknown expert-cache policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}"
+        )
+    if prefetch is not None and prefetch not in PREDICTORS:
+        raise ConfigError(
+            f"unknown prefetch predictor {prefetch!r}; choose one of "
+            f"{', '.join(sorted(PREDICTORS))} (or leave prefetch off)"
         )
 
 
@@ -75,11 +84,16 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         max_model_len: int | None = None,
+        prefetch: str | None = None,
+        prefetch_ahead: int = 1,
     ) -> None:
         # Every setting is checked before any work (the demo build, the checkpoint load).
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         cache = CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len)
-        _check_budgets_and_policy(expert_budget, host_budget, policy)
+        _check_budgets_and_policy(expert_budget, host_budget, policy, prefetch)
+        offload = OffloadConfig(
+            expert_budget, host_budget, policy, prefetch=prefetch, prefetch_ahead=prefetch_ahead
+        )
         if model is None:
             from moetier.demo.builder import ensure_demo_model
 
@@ -89,7 +103,7 @@ class LLM:
             device=device,
             dtype=dtype,
             seed=seed,
-            offload=OffloadConfig(expert_budget, host_budget, policy),
+            offload=offload,
             scheduler=scheduler,
             cache=cache,
             progress=progress,

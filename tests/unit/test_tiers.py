@@ -63,7 +63,7 @@ def test_lru_eviction_order_and_counters(layout: ExpertLayout) -> None:
 
 def test_wave_never_evicts_its_own_experts(layout: ExpertLayout) -> None:
     cache = _cache(layout, slots=2, host_rows=0)
-    cache.fetch(0, [0, 1])
+    cache.release(cache.fetch(0, [0, 1]))  # unpinned: its slots may be victims now
     batch = cache.fetch(0, [2, 3])
     assert sorted(batch.slots) == [0, 1]
     assert {k.expert for k in cache.resident()} == {2, 3}

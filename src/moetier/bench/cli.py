@@ -100,6 +100,7 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         help="model (the routers), uniform (seeded top-k draws) or trace:PATH (replay)",
     )
     p.add_argument("--policy", default="lru")
+    p.add_argument("--prefetch", default=None, help="prefetch predictor (default: off)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
@@ -149,6 +150,13 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _with_prefetch(kwargs: dict[str, Any], prefetch: str | None) -> dict[str, Any]:
+    """--prefetch NAME is `--set prefetch=NAME` (an explicit --set wins)."""
+    if prefetch is not None:
+        kwargs.setdefault("prefetch", prefetch)
+    return kwargs
+
+
 def latency_settings(args: argparse.Namespace) -> Any:
     from moetier.bench.latency import LatencySettings
 
@@ -173,7 +181,7 @@ def latency_settings(args: argparse.Namespace) -> Any:
         profile_steps=args.profile_steps,
         accelerate_output_len=args.accelerate_output_len,
         save_trace=args.save_trace,
-        llm_kwargs=parse_kv(args.set),
+        llm_kwargs=_with_prefetch(parse_kv(args.set), args.prefetch),
         progress=not args.no_progress,
     )
 

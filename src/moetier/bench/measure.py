@@ -37,6 +37,11 @@ _COUNTERS = (
     "resident_lookups",
     "miss_host_s",
     "routing_sync_s",
+    "prefetches_issued",
+    "prefetches_used",
+    "prefetches_in_time",
+    "prefetches_cancelled",
+    "prefetch_wasted_bytes",
 )
 GREEDY_CHECK_TOKENS = 8
 
@@ -389,4 +394,6 @@ def _metrics(
         routing_sync_ms_per_token=c["routing_sync_s"] * 1e3 / n,
         host_hit_rate=c["host_hits"] / lookups,
         disk_read_rate=c["disk_reads"] / lookups,
+        # Prefetch counters over the timed decode steps (all 0 with prefetch off).
+        **{k: int(c[k]) for k in _COUNTERS if k.startswith("prefetch")},
     )

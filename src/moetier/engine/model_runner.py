@@ -24,6 +24,7 @@ from moetier.layers.rotary import RotaryEmbedding
 from moetier.models.registry import get_family
 from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
+from moetier.offload.prefetcher import Prefetcher, build_predictor
 from moetier.offload.stats import OffloadStats
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
@@ -131,6 +132,7 @@ class ModelRunner:
             block.provider = self.expert_cache
             block.grouped_max_bytes = grouped
             block.slot_kernel_max_pairs = slot_kernel
+        self.prefetcher = self._build_prefetcher(config)
         fused = config.fused_kernels
         if fused is None:
             fused = self.device.type == "cuda" and triton_available()
@@ -152,6 +154,20 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
             self.graphs = DecodeGraphs(self)
+
+    def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
+        """Next-layer prefetch on the MoE miss path; off when every expert is resident (the
+        all-resident path never asks the host anything)."""
+        name = config.offload.prefetch
+        if name is None or self.expert_cache.resident_table is not None:
+            return None
+        blocks = self.model.moe_blocks()
+        prefetcher = Prefetcher(
+            build_predictor(name, blocks), self.expert_cache, config.offload.prefetch_ahead
+        )
+        for block in blocks:
+            block.prefetcher = prefetcher
+        return prefetcher
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -181,6 +197,10 @@ class ModelRunner:
             positions.extend(range(start, start + len(chunk)))
             if s.samples:
                 last_rows.append(len(ids) - 1)
+        if self.prefetcher is not None:
+            self.prefetcher.token_requests = [
+                sp.seq_id for sp in spans for _ in range(sp.end - sp.start)
+            ]
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         kv_batch = self.kv_cache.build_batch(kv_spans, len(ids))

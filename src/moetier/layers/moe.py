@@ -60,6 +60,10 @@ class MoEBlock(nn.Module):
         # Called at the layer's routing sync with (layer, flat host expert ids [T*K], K); the
         # bench's trace recorder attaches here. None = nothing observes routing.
         self.route_observer: Callable[[int, list[int], int], None] | None = None
+        # Called on the miss path once this layer's experts are fetched (pinned), with (layer,
+        # flat host expert ids [T*K], router input [T, D]); the prefetcher attaches here
+        # (offload/prefetcher.py). Never called on the all-resident path.
+        self.prefetcher: Callable[[int, list[int], torch.Tensor], None] | None = None
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -87,13 +91,15 @@ class MoEBlock(nn.Module):
         t0 = time.perf_counter()
         flat = ids.flatten().cpu()  # [T*K]
         provider.count_routing_sync(time.perf_counter() - t0)
+        need_ids = kernel or self.route_observer is not None or self.prefetcher is not None
+        host_ids: list[int] = flat.tolist() if need_ids else []
         if self.route_observer is not None:
-            self.route_observer(self.layer, flat.tolist(), k)
+            self.route_observer(self.layer, host_ids, k)
         if kernel:
-            out = self._slot_kernel(x, ids, weights, flat.tolist(), provider)
+            out = self._slot_kernel(x, ids, weights, host_ids, provider)
             if out is not None:
                 return out
-        return self._waves(x, ids, weights, flat, provider)
+        return self._waves(x, ids, weights, flat, host_ids, provider)
 
     def _slot_kernel(
         self,
@@ -110,6 +116,7 @@ class MoEBlock(nn.Module):
             return None
         batch = provider.fetch(self.layer, experts)
         try:  # a raising step must still hand its slots back (the engine keeps serving)
+            self._prefetch(host_ids, x)
             slot_of = dict(zip(batch.experts, batch.slots))
             k = ids.shape[1]
             rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
@@ -131,6 +138,7 @@ class MoEBlock(nn.Module):
         ids: torch.Tensor,
         weights: torch.Tensor,
         flat: torch.Tensor,
+        host_ids: list[int],
         provider: ExpertProvider,
     ) -> torch.Tensor:
         """Experts fetched in waves no larger than the slot pool, each computed by the grouped
@@ -149,6 +157,8 @@ class MoEBlock(nn.Module):
         for w0 in range(0, len(experts), provider.max_batch):
             batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch])
             try:
+                if w0 + provider.max_batch >= len(experts):  # the layer's last wave is pinned
+                    self._prefetch(host_ids, x)
                 spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
                 pairs = sum(b - a for a, b in spans)
                 nbytes = pairs * batch.pool.shape[1] * x.element_size()
@@ -159,6 +169,12 @@ class MoEBlock(nn.Module):
             finally:
                 provider.release(batch)
         return out
+
+    def _prefetch(self, host_ids: list[int], x: torch.Tensor) -> None:
+        """Let the prefetcher start the next layers' loads now: this layer's own loads are
+        already issued (they go first) and its slots pinned (nothing it needs is evicted)."""
+        if self.prefetcher is not None:
+            self.prefetcher(self.layer, host_ids, x)
 
     def _wave_loop(
         self,

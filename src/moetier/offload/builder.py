@@ -69,17 +69,29 @@ def build_tiers(
     plan = plan_tiers(layout, cfg, dtype, top_k, device)
     pin = cfg.pin_host_memory and device.type == "cuda"
     host = HostTier(layout, plan.host_rows, dtype, pin, stats, progress)
-    cache = ExpertCache(host, layout.shape, plan.device_slots, device, dtype, stats, cfg.policy)
+    cache = ExpertCache(
+        host,
+        layout.shape,
+        plan.device_slots,
+        device,
+        dtype,
+        stats,
+        cfg.policy,
+        chunk_bytes=cfg.transfer_chunk_bytes,
+        io_threads=cfg.io_threads,
+    )
     if plan.device_slots == plan.total_experts:
         _preload_all(cache, layout, progress)
         cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         stats.reset()
     log.info(
-        "expert tiers: %d/%d experts in device slots (%s), %d in host RAM, %s routed in all",
+        "expert tiers: %d/%d experts in device slots (%s), %d in host RAM (%s page-locked), "
+        "%s routed in all",
         plan.device_slots,
         plan.total_experts,
         format_bytes(cache.bytes),
         plan.host_rows,
+        format_bytes(host.pinned_bytes),
         format_bytes(plan.routed_bytes),
     )
     return cache, plan

@@ -1,25 +1,79 @@
-"""Device tier: a fixed pool of expert slots, filled on demand from the host tier.
+"""Device tier: a fixed pool of expert slots, filled on demand or ahead of need from the host tier.
 
-Owns slot tensors, the key->slot map and the slot policy; implements ExpertProvider. Never reads
-files itself (the host tier does) and never decides what to compute.
+Owns the slot tensors, the slot table (states and pins, `slots.py`), the slot policy and the
+loads in progress; implements ExpertProvider. Never reads files itself (the host tier does, on
+the transfer engine's read threads), never decides what to compute or what to prefetch.
+
+A load brings one expert into one slot: a disk read (into a host row, or straight into a CPU
+slot when there is no host tier), then a host->slot copy. On-demand loads (a fetch's misses)
+are finished before fetch returns: their reads run in parallel on the read pool, each copy is
+issued as soon as its read is done, and the compute stream waits on the copies' events.
+Prefetch loads run at low priority and are moved on whenever the cache is called (never
+blocking); a fetch that needs one promotes it and waits on its event like a miss's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from moetier.offload.policy import make_policy
+from moetier.offload.slots import SlotState, SlotTable
 from moetier.offload.stats import OffloadStats
 from moetier.offload.store import HostTier
-from moetier.offload.transfer import TransferEngine
+from moetier.offload.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    ON_DEMAND,
+    PREFETCH,
+    Copier,
+    CopyJob,
+    CudaCopier,
+    ReadJob,
+    ReadPool,
+    SyncCopier,
+    TransferEngine,
+)
 from moetier.offload.types import ExpertBatch, ExpertKey
 from moetier.weights.experts import ExpertShape
 
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Load:
+    """One expert on its way into one slot: a disk read, then a host->slot copy."""
+
+    key: ExpertKey
+    slot: int | None  # None once detached (cancelled while its read into a host row runs)
+    priority: int
+    direct: bool = False  # the read goes straight into the slot (CPU, no host tier)
+    row: int | None = None  # host row read into / copied from; held while the load uses it
+    read: ReadJob | None = None
+    copy: CopyJob | None = None
+
+
+@dataclass
+class _Wave:
+    """Bookkeeping of one fetch."""
+
+    exclude: set[ExpertKey]  # never victims: the wave's keys and every pinned key
+    slots: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # slots whose loads this fetch finishes
+    failed: list[Load] = field(default_factory=list)
+    error: BaseException | None = None
+    waits: bool = False  # something had to be loaded or waited for
+    start_event: Any = None  # CUDA: compute-stream mark before the first load or wait
+
 
 class ExpertCache:
-    """`num_slots` device slots of packed experts; misses are fetched on demand (LRU by default)."""
+    """`num_slots` device slots of packed experts; misses are fetched on demand (LRU by default),
+    predicted experts can be prefetched at low priority."""
 
     def __init__(
         self,
@@ -30,20 +84,33 @@ class ExpertCache:
         dtype: torch.dtype,
         stats: OffloadStats,
         policy: str = "lru",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 2,
+        copier: Copier | None = None,
     ) -> None:
+        """`copier` replaces the device's (tests: a fake with events completed by hand; it is
+        pumped on every cache call, one prefetch chunk in flight)."""
         self.host = host
         self.shape = shape
         self.device = device
         self.stats = stats
         self.num_slots = num_slots
         self.slots = torch.empty(num_slots, shape.numel, dtype=dtype, device=device)
-        self.slot_of: dict[ExpertKey, int] = {}
-        self.key_of: dict[int, ExpertKey] = {}
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.expert_bytes = shape.numel * self.slots.element_size()
+        self.table = SlotTable(num_slots)
         self.policy = make_policy(policy)
-        self.transfer = TransferEngine(device)
         self.cuda = device.type == "cuda"
-        self.slot_free_event: dict[int, torch.cuda.Event] = {}  # last compute use of a slot
+        if copier is not None:
+            self.transfer = TransferEngine(copier, chunk_bytes, window=1)
+        else:  # CPU copies are memcpys done on issue: no window, no pump thread
+            own: Copier = CudaCopier(device) if self.cuda else SyncCopier()
+            self.transfer = TransferEngine(
+                own, chunk_bytes, window=1 if self.cuda else None, background=self.cuda
+            )
+        self.reads = ReadPool(io_threads)
+        self.slot_free_event: dict[int, Any] = {}  # last compute use of a slot (CUDA)
+        self._detached: list[Load] = []
+        self._last_layer: int | None = None
         self._resident_table: torch.Tensor | None = None
 
     @property
@@ -53,6 +120,10 @@ class ExpertCache:
     @property
     def pool(self) -> torch.Tensor:
         return self.slots
+
+    @property
+    def slot_of(self) -> dict[ExpertKey, int]:
+        return self.table.slot_of
 
     @property
     def resident_table(self) -> torch.Tensor | None:
@@ -68,6 +139,7 @@ class ExpertCache:
         """Every routed expert holds a slot and nothing will be evicted: publish the [layer,
         expert] -> slot map on the device so MoE layers can look slots up without the host."""
         assert len(self.slot_of) == self.num_slots, "freeze_resident needs every expert loaded"
+        assert not self.table.loading_slots(), "freeze_resident needs every load finished"
         table = torch.full((num_layers, num_experts), -1, dtype=torch.int32)
         for key, slot in self.slot_of.items():
             table[key.layer, key.expert] = slot
@@ -81,42 +153,49 @@ class ExpertCache:
     def bytes(self) -> int:
         return self.slots.numel() * self.slots.element_size()
 
+    # the provider interface
     def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
+        """Make `experts` of `layer` ready on the compute stream and pin their slots until
+        `release`. A failed read hands its slot back, unpins the wave and raises."""
         assert len(experts) <= self.num_slots, "caller must split experts into waves of max_batch"
+        self._advance()
+        if layer != self._last_layer:
+            self._drop_stale(self._last_layer)
+            self._last_layer = layer
         keys = [ExpertKey(layer, e) for e in experts]
         self.policy.begin_call(layer, experts)
-        in_use = set(keys)
-        events: list[torch.cuda.Event] = []
-        slots: list[int] = []
-        wait_start: torch.cuda.Event | None = None  # compute-stream mark at the first miss
+        wave = _Wave(set(keys) | self.table.pinned_keys())
         start = time.perf_counter()
-        missed = False
-        for key in keys:
-            self.stats.requests += 1
-            slot = self.slot_of.get(key)
-            if slot is not None:
-                self.stats.device_hits += 1
-                self.policy.touch(key)
-            else:
-                if self.cuda and not missed:
-                    # Marked before the load is issued, so host-side issue time and disk reads
-                    # count as exposed when the compute stream has nothing queued to hide them.
-                    wait_start = torch.cuda.Event(enable_timing=True)
-                    wait_start.record(torch.cuda.current_stream(self.device))
-                missed = True
-                slot, event = self._load(key, in_use)
-                if event is not None:
-                    events.append(event)
-            slots.append(slot)
-        if missed:
+        try:
+            for key in keys:
+                self.stats.requests += 1
+                slot = self.slot_of.get(key)
+                if slot is not None:
+                    self.stats.device_hits += 1
+                    self.policy.touch(key)
+                    self._note_use(slot, wave)
+                else:
+                    self._mark_wait(wave)
+                    slot = self._start(key, ON_DEMAND, wave.exclude, wave)
+                    assert slot is not None
+                    wave.pending.append(slot)
+                self.table.pin(slot)
+                wave.slots.append(slot)
+            self._complete(wave)
+        except BaseException:
+            for s in wave.slots:
+                self.table.unpin(s)
+            raise
+        if wave.error is not None:
+            self._fail_wave(wave)
+        if wave.waits:
             self.stats.miss_host_s += time.perf_counter() - start
-        if wait_start is not None:
-            self._wait_measured(wait_start, events)
-        elif missed:
-            self.stats.exposed_fetch_s += time.perf_counter() - start
-        return ExpertBatch(layer, experts, slots, self.slots, self.shape.split)
+        self._wait_ready(wave, start)
+        return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split)
 
     def release(self, batch: ExpertBatch) -> None:
+        for s in batch.slots:
+            self.table.unpin(s)
         if not self.cuda:
             return
         done = torch.cuda.Event()
@@ -124,59 +203,322 @@ class ExpertCache:
         for s in batch.slots:
             self.slot_free_event[s] = done
 
-    def _load(self, key: ExpertKey, in_use: set[ExpertKey]) -> tuple[int, torch.cuda.Event | None]:
-        slot = self._claim_slot(in_use)
-        dst = self.slots[slot]
-        src = self.host.lookup(key)
-        try:  # a failed read (missing, truncated or unreadable shard) hands the slot back
-            if src is not None:
-                self.stats.host_hits += 1
-                row = self.host.row_of(key)
-            elif not self.cuda and not self.host.capacity:
-                self.host.read_direct(key, dst)
-                self._install(key, slot)
-                return slot, None
-            else:
-                src, row = self.host.read(key)
-        except BaseException:
-            self.free.append(slot)
-            raise
-        event = self.transfer.copy(dst, src, after=self.slot_free_event.pop(slot, None))
-        self.host.mark_in_flight(row, event)
-        self.stats.bytes_host_to_device += src.numel() * src.element_size()
-        self._install(key, slot)
-        return slot, event
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start low-priority loads of `experts` of MoE layer `layer` into free slots or the
+        policy's victims, never evicting a pinned slot or cancelling another load; returns how
+        many started. A later fetch of such a key is a hit that waits for its load.
 
-    def _install(self, key: ExpertKey, slot: int) -> None:
-        self.slot_of[key] = slot
-        self.key_of[slot] = key
+        Called after the current layer's fetch: its unpinned loads still in progress are stale
+        and are cancelled first."""
+        if self._resident_table is not None or not experts:
+            return 0
+        self._advance()
+        self._drop_stale(self._last_layer)
+        exclude = self.table.pinned_keys() | self.table.loading_keys()
+        started = 0
+        for e in experts:
+            key = ExpertKey(layer, e)
+            if key in self.slot_of:
+                continue
+            if self._start(key, PREFETCH, exclude) is None:
+                break
+            exclude.add(key)
+            started += 1
+        self.stats.prefetches_issued += started
+        return started
+
+    # starting loads
+    def _start(
+        self, key: ExpertKey, priority: int, exclude: set[ExpertKey], wave: _Wave | None = None
+    ) -> int | None:
+        """Claim a slot for `key` and start its load; None (prefetch only) when a slot or a host
+        row would have to be waited for."""
+        urgent = priority == ON_DEMAND
+        row = self.host.lookup(key)
+        cached = row is not None
+        direct = not cached and not self.cuda and not self.host.capacity
+        if not cached and not direct:
+            row = self._claim_row(urgent, wave)
+            if row is None:
+                return None
+        slot = self._claim_slot(exclude, urgent)
+        if slot is None:
+            if row is not None and not cached:
+                self.host.discard(row)
+            return None
+        load = Load(key, slot, priority, direct=direct)
+        self.table.assign(slot, key, load, prefetched=not urgent)
         self.policy.insert(key)
+        if row is not None:
+            self.host.hold(row)
+            load.row = row
+        if cached:
+            if urgent:
+                self.stats.host_hits += 1
+            self._start_copy(load, priority)
+        else:
+            self._start_read(load)
+        return slot
 
-    def _claim_slot(self, in_use: set[ExpertKey]) -> int:
-        if self.free:
-            return self.free.pop()
-        victim = self.policy.victim(exclude=in_use)
+    def _claim_row(self, urgent: bool, wave: _Wave | None) -> int | None:
+        row = self.host.claim_row(wait=urgent)
+        if row is None and urgent:  # every row is held: prefetches yield theirs, then our own
+            self._cancel_row_holders()
+            row = self.host.claim_row(wait=True)
+            if row is None and wave is not None:
+                self._complete(wave)  # this wave's earlier loads issue their copies
+                row = self.host.claim_row(wait=True)
+            assert row is not None, "no host row can be claimed: every row is held"
+        return row
+
+    def _claim_slot(self, exclude: set[ExpertKey], urgent: bool) -> int | None:
+        slot = self.table.take_free()
+        if slot is not None:
+            return slot
+        try:
+            victim = self.policy.victim(exclude=exclude)
+        except RuntimeError:
+            if urgent:
+                raise
+            return None
         self.policy.remove(victim)
-        slot = self.slot_of.pop(victim)
-        del self.key_of[slot]
+        slot = self.slot_of[victim]
+        s = self.table.slots[slot]
+        if s.state is SlotState.LOADING:  # only prefetches are in progress outside a fetch
+            self._cancel(s.load)
+        elif s.prefetched:
+            self.stats.prefetch_wasted_bytes += self.expert_bytes
+        self.table.vacate(slot)
         self.stats.evictions += 1
         return slot
 
-    def _wait_measured(self, start: torch.cuda.Event, events: list[torch.cuda.Event]) -> None:
-        """Compute stream waits for the loads; the time from `start` to the end is exposed."""
-        stream = torch.cuda.current_stream(self.device)
-        end = torch.cuda.Event(enable_timing=True)
-        self.transfer.wait(events)
-        end.record(stream)
-        self.stats.add_exposed_events(start, end)
+    def _start_read(self, load: Load) -> None:
+        key, host = load.key, self.host
+        if load.direct:
+            slot = load.slot
+            assert slot is not None
+            fn = lambda: host.read_into(key, self.slots[slot])  # noqa: E731
+        else:
+            row = load.row
+            assert row is not None
+            fn = lambda: host.read_into(key, host.row(row))  # noqa: E731
+        load.read = self.reads.submit(fn, load.priority, tag=key)
 
+    def _start_copy(self, load: Load, priority: int) -> None:
+        assert load.slot is not None and load.row is not None
+        after = self.slot_free_event.pop(load.slot, None)
+        load.copy = self.transfer.submit(
+            load.key, self.slots[load.slot], self.host.row(load.row), priority, after
+        )
+        if load.copy.fully_issued:
+            self._copied(load)
+
+    # moving loads on
+    def _advance_load(self, load: Load, urgent: bool) -> None:
+        """Move `load` as far as it can go; `urgent`: wait for its read (running it here if it
+        has not started) and issue its copy now. Raises the read's error."""
+        if load.read is not None:
+            if not (urgent or load.read.done):
+                return
+            job, load.read = load.read, None
+            self.host.count_read(*self.reads.wait(job))
+            if load.direct:
+                assert load.slot is not None
+                self.table.mark_ready(load.slot)
+                return
+            assert load.row is not None
+            self.host.install(load.key, load.row)
+            self._start_copy(load, ON_DEMAND if urgent else load.priority)
+        copy = load.copy
+        if copy is None or load.slot is None or self.table.slots[load.slot].load is not load:
+            return  # ready already
+        if urgent and not copy.fully_issued:
+            self.transfer.promote(copy)
+        if copy.fully_issued:
+            self._copied(load)
+
+    def _copied(self, load: Load) -> None:
+        copy = load.copy
+        assert copy is not None and load.row is not None
+        self.host.mark_in_flight(load.row, copy.event)
+        self.host.unhold(load.row)
+        load.row = None
+        self.stats.bytes_host_to_device += copy.nbytes
+        assert load.slot is not None
+        self.table.mark_ready(load.slot, copy.event)
+
+    def _advance(self) -> None:
+        """Move prefetches on without blocking: reap finished reads, settle issued copies."""
+        if self._detached:
+            self._reap_detached()
+        loading = self.table.loading_slots()
+        if not loading:
+            return
+        self.transfer.pump()
+        for slot in loading:
+            load = self.table.slots[slot].load
+            try:
+                self._advance_load(load, urgent=False)
+            except Exception as exc:  # a failed prefetch read: the slot goes back, quietly
+                log.debug("prefetch of %s failed: %s", load.key, exc)
+                self.stats.prefetches_cancelled += 1
+                self._drop(load)
+
+    def _complete(self, wave: _Wave) -> None:
+        """Finish the loads of the wave's pending slots, in order."""
+        for slot in wave.pending:
+            load = self.table.slots[slot].load
+            if load is None:
+                continue
+            try:
+                self._advance_load(load, urgent=True)
+            except Exception as exc:  # the slot is handed back once the wave is unpinned
+                wave.failed.append(load)
+                wave.error = wave.error or exc
+        wave.pending.clear()
+
+    def _fail_wave(self, wave: _Wave) -> None:
+        for s in wave.slots:
+            self.table.unpin(s)
+        for load in wave.failed:
+            self._drop(load)
+        assert wave.error is not None
+        raise wave.error
+
+    def _drop(self, load: Load) -> None:
+        """Hand back the slot (and host row) of a load whose read failed or was cancelled."""
+        if load.row is not None:
+            self.host.unhold(load.row)
+            self.host.discard(load.row)
+        assert load.slot is not None
+        key = self.table.vacate(load.slot)
+        self.policy.remove(key)
+        self.table.give_back(load.slot)
+
+    # cancelling
+    def _cancel(self, load: Load) -> None:
+        """Stop an unpinned prefetch; the caller vacates its slot. Bytes already on their way
+        either land before the slot's next copy (same stream) or are waited out (CPU read)."""
+        self.stats.prefetches_cancelled += 1
+        if load.read is not None:
+            if self.reads.cancel(load.read):
+                load.read = None
+            elif load.direct:  # running into the slot itself: wait it out (CPU, rare)
+                try:
+                    self.host.count_read(*self.reads.wait(load.read))
+                    self.stats.prefetch_wasted_bytes += self.expert_bytes
+                except Exception:
+                    pass
+                load.read = None
+            else:  # running into a host row: let it finish on its own, then give the row back
+                load.slot = None
+                self._detached.append(load)
+                return
+            if load.row is not None:
+                self.host.unhold(load.row)
+                self.host.discard(load.row)
+            return
+        copy = load.copy
+        assert copy is not None and load.slot is not None
+        issued = self.transfer.cancel(copy)
+        self.stats.prefetch_wasted_bytes += issued
+        self.stats.bytes_host_to_device += issued
+        if not copy.issued and copy.after is not None:  # the slot's last use is still ahead
+            self.slot_free_event.setdefault(load.slot, copy.after)
+        if load.row is not None:
+            if copy.issued:
+                self.host.mark_in_flight(load.row, copy.event)
+            self.host.unhold(load.row)
+
+    def _drop_stale(self, layer: int | None) -> None:
+        """Cancel unpinned loads still in progress for `layer`, whose call has come and gone."""
+        if layer is not None:
+            self._cancel_where(lambda load: load.key.layer == layer)
+
+    def _cancel_row_holders(self) -> None:
+        self._cancel_where(lambda load: load.row is not None)
+
+    def _cancel_where(self, which: Callable[[Load], bool]) -> None:
+        for slot in self.table.loading_slots():
+            s = self.table.slots[slot]
+            if not s.pins and which(s.load):
+                self._cancel(s.load)
+                self.policy.remove(self.table.vacate(slot))
+                self.table.give_back(slot)
+
+    def _reap_detached(self) -> None:
+        keep = []
+        for load in self._detached:
+            assert load.read is not None and load.row is not None
+            if not load.read.done:
+                keep.append(load)
+                continue
+            with contextlib.suppress(Exception):  # a failed read of an abandoned prefetch
+                self.host.count_read(*self.reads.wait(load.read))
+            self.host.unhold(load.row)
+            self.host.discard(load.row)
+        self._detached = keep
+
+    # hits and waits
+    def _note_use(self, slot: int, wave: _Wave) -> None:
+        s = self.table.slots[slot]
+        pending = s.state is SlotState.LOADING
+        if pending:
+            wave.pending.append(slot)
+        elif s.ready is not None and not self.transfer.copier.query(s.ready):
+            pending = True
+        if pending:
+            self._mark_wait(wave)
+        if s.prefetched:
+            s.prefetched = False
+            self.stats.prefetches_used += 1
+            self.stats.prefetches_in_time += not pending
+
+    def _mark_wait(self, wave: _Wave) -> None:
+        """The compute stream will wait for a load: mark where (CUDA) before it is issued, so
+        host-side issue time and disk reads count as exposed when nothing hides them."""
+        wave.waits = True
+        if self.cuda and wave.start_event is None:
+            wave.start_event = torch.cuda.Event(enable_timing=True)
+            wave.start_event.record(torch.cuda.current_stream(self.device))
+
+    def _wait_ready(self, wave: _Wave, start: float) -> None:
+        events = []
+        for slot in wave.slots:
+            s = self.table.slots[slot]
+            if s.ready is not None:
+                events.append(s.ready)
+                s.ready = None  # the compute stream is ordered after it from now on
+        self.transfer.wait(events)
+        if wave.start_event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self.stats.add_exposed_events(wave.start_event, end)
+        elif wave.waits:
+            self.stats.exposed_fetch_s += time.perf_counter() - start
+
+    # introspection
     def resident(self) -> list[ExpertKey]:
         """Resident keys, next victim first (for tests and debugging)."""
         return [k for k in self.policy.order() if k in self.slot_of]
 
-    def check_integrity(self) -> None:
-        assert len(self.slot_of) == len(self.key_of)
-        for key, slot in self.slot_of.items():
-            assert self.key_of[slot] == key
-        assert not set(self.key_of) & set(self.free), "a used slot is also free"
-        assert len(self.key_of) + len(self.free) == self.num_slots
+    def slot_state(self, key: ExpertKey) -> SlotState:
+        slot = self.slot_of.get(key)
+        return SlotState.FREE if slot is None else self.table.slots[slot].state
+
+    def check_integrity(self, idle: bool = True) -> None:
+        """Slot states, pins, policy and host tier agree; `idle` (between steps, the default):
+        no slot is pinned. Prefetches may still be loading."""
+        self.table.check(idle)
+        assert set(self.policy.order()) == set(self.slot_of), "policy and slots disagree"
+        rows: list[int] = []
+        for slot in self.table.loading_slots():
+            load = self.table.slots[slot].load
+            assert load.slot == slot and load.key == self.table.slots[slot].key
+            rows += [load.row] if load.row is not None else []
+        for load in self._detached:
+            assert load.slot is None and load.row is not None
+            rows.append(load.row)
+        held = {r: rows.count(r) for r in rows}
+        assert held == self.host.held, f"held host rows {self.host.held} != loads' rows {held}"
+        self.host.check_integrity()

@@ -32,6 +32,16 @@ class OffloadStats:
     # with misses, the sync also drains the GPU queue, so launch time is no longer hidden.
     miss_host_s: float = 0.0
     routing_sync_s: float = 0.0
+    # Prefetch (ExpertCache.prefetch): loads started on a guess; used = a fetch needed the key
+    # before it was evicted; in time = its bytes were already complete then (CUDA: the event
+    # had completed, asked without a sync); cancelled = dropped before complete (stale, its
+    # slot taken by a miss, or its read failed); wasted bytes = bytes moved into slots (or read
+    # into CPU slots) for prefetches never used.
+    prefetches_issued: int = 0
+    prefetches_used: int = 0
+    prefetches_in_time: int = 0
+    prefetches_cancelled: int = 0
+    prefetch_wasted_bytes: int = 0
     _pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def add_exposed_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:

@@ -1,13 +1,19 @@
 """Host tier of routed experts: a bounded pool of packed experts in RAM over the disk tier.
 
-Owns host buffers (pinned once at load time when CUDA is used) and disk reads; never touches
-device slots. With a capacity of every routed expert it preloads all of them at start.
+Owns host rows (page-locked once at load time when CUDA is used, exactly the budget: see
+`alloc_host_rows`), which expert each row holds, and which rows a transfer still uses; never
+touches device slots. With a capacity of every routed expert it preloads all of them at start.
+
+Rows are claimed and installed on the caller's thread; only `read_into` (the disk read itself)
+may run on a background thread, and it touches no bookkeeping.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -20,8 +26,49 @@ from moetier.weights.experts import ExpertLayout
 log = logging.getLogger(__name__)
 
 
+def alloc_host_rows(
+    rows: int, numel: int, dtype: torch.dtype, pin: bool
+) -> tuple[torch.Tensor, int]:
+    """[rows, numel] host buffer and how many bytes of it are page-locked.
+
+    `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which
+    rounds a block up to a power of two: a 40 GiB host tier would lock 64 GiB. Instead the rows
+    are a plain allocation registered with `cudaHostRegister` (exactly its size, unregistered
+    when the buffer is freed); copies from it are truly asynchronous, and PyTorch's
+    `host_memory_stats()` does not count it. Falls back to `pin_memory=True` if registering
+    fails (logged).
+    """
+    buf = torch.empty(rows, numel, dtype=dtype)
+    nbytes = buf.numel() * buf.element_size()
+    if not pin or nbytes == 0:
+        return buf, 0
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
+    except (AttributeError, RuntimeError) as exc:  # no binding in this torch build
+        err = exc
+    if isinstance(err, BaseException) or int(err) != 0:
+        log.warning(
+            "cudaHostRegister failed (%s); pinning the host tier with pin_memory() "
+            "(the caching host allocator may round it up to a power of two)",
+            err,
+        )
+        buf = torch.empty(rows, numel, dtype=dtype, pin_memory=True)
+        return buf, nbytes
+    weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
+    return buf, nbytes
+
+
+def _unregister(cudart: Any, ptr: int) -> None:
+    cudart.cudaHostUnregister(ptr)
+
+
 class HostTier:
-    """Packed experts in host RAM, LRU-bounded to `capacity`; misses read the checkpoint."""
+    """Packed experts in host RAM, LRU-bounded to `capacity`; misses read the checkpoint.
+
+    With capacity 0 it keeps two staging rows that hold an expert only while it is copied.
+    A held row (a read into it, or a queued copy out of it, is pending) is never reclaimed.
+    """
 
     def __init__(
         self,
@@ -39,11 +86,13 @@ class HostTier:
         self.capacity = min(capacity, self.total)
         # With no host capacity, two staging rows let a read overlap the previous copy.
         rows = self.capacity if self.capacity > 0 else 2
-        self.pool = torch.empty(rows, self.numel, dtype=dtype, pin_memory=pin)
+        self.pool, self.pinned_bytes = alloc_host_rows(rows, self.numel, dtype, pin)
         self.index: dict[ExpertKey, int] = {}
+        self.key_at: dict[int, ExpertKey] = {}
         self.policy = make_policy("lru")
         self.free = list(range(rows))
-        self.in_flight: dict[int, torch.cuda.Event] = {}  # row -> last async copy out of it
+        self.in_flight: dict[int, Any] = {}  # row -> last async copy out of it
+        self.held: dict[int, int] = {}  # row -> pending transfers using it
         self._next_staging = 0
         if self.capacity == self.total:
             self._preload(progress)
@@ -60,40 +109,94 @@ class HostTier:
         for key in bar:
             row = self.free.pop()
             self.layout.read_into(key.layer, key.expert, self.pool[row])
-            self.index[key] = row
-            self.policy.insert(key)
+            self.install(key, row)
 
-    def lookup(self, key: ExpertKey) -> torch.Tensor | None:
-        """The host copy of `key` if this tier holds it (counts nothing)."""
+    def lookup(self, key: ExpertKey) -> int | None:
+        """The row holding `key` if this tier holds it (counts nothing)."""
         row = self.index.get(key)
-        if row is None:
-            return None
-        self.policy.touch(key)
+        if row is not None:
+            self.policy.touch(key)
+        return row
+
+    def row(self, row: int) -> torch.Tensor:
         return self.pool[row]
 
-    def read(self, key: ExpertKey) -> tuple[torch.Tensor, int]:
-        """Read `key` from disk into a host row (kept if capacity allows); return (row, row_id)."""
-        row = self._claim_row(key)
-        self._wait_row(row)
-        start = time.perf_counter()
-        nbytes = self.layout.read_into(key.layer, key.expert, self.pool[row])
-        self.stats.disk_read_s += time.perf_counter() - start
-        self.stats.disk_reads += 1
-        self.stats.bytes_disk_to_host += nbytes
-        if self.capacity:
-            self.index[key] = row
-            self.policy.insert(key)
-        return self.pool[row], row
+    def claim_row(self, wait: bool = True) -> int | None:
+        """A row to read an expert into, evicting the least recently used expert if needed.
 
-    def read_direct(self, key: ExpertKey, out: torch.Tensor) -> None:
-        """Read `key` from disk straight into a CPU slot (CPU compute device, no host copy)."""
+        None when every row is held, or (wait=False) when the only candidates are still being
+        copied out; with wait=True such a copy is waited for (a host sync, rare).
+        """
+        row = self._claim_staging(wait) if not self.capacity else self._claim_cached(wait)
+        if row is not None and wait:
+            self._wait_row(row)
+        return row
+
+    def _claim_staging(self, wait: bool) -> int | None:
+        rows = self.pool.shape[0]
+        for i in range(rows):
+            row = (self._next_staging + i) % rows
+            if row not in self.held and (wait or self._row_idle(row)):
+                self._next_staging = (row + 1) % rows
+                return row
+        return None
+
+    def _claim_cached(self, wait: bool) -> int | None:
+        if self.free:
+            return self.free.pop()
+        exclude = {self.key_at[r] for r in self.held if r in self.key_at}
+        try:
+            victim = self.policy.victim(exclude=exclude)
+        except RuntimeError:  # every row is held
+            return None
+        row = self.index[victim]
+        if not wait and not self._row_idle(row):
+            return None
+        self.policy.remove(victim)
+        del self.index[victim]
+        del self.key_at[row]
+        self.stats.host_evictions += 1
+        return row
+
+    def read_into(self, key: ExpertKey, out: torch.Tensor) -> tuple[int, float]:
+        """Read `key` from disk into `out` (a host row or a CPU slot); (bytes, seconds).
+        Thread-safe: touches no bookkeeping (the caller counts it with `count_read`)."""
         start = time.perf_counter()
         nbytes = self.layout.read_into(key.layer, key.expert, out)
-        self.stats.disk_read_s += time.perf_counter() - start
+        return nbytes, time.perf_counter() - start
+
+    def count_read(self, nbytes: int, seconds: float) -> None:
+        self.stats.disk_read_s += seconds
         self.stats.disk_reads += 1
         self.stats.bytes_disk_to_host += nbytes
 
-    def mark_in_flight(self, row: int, event: torch.cuda.Event | None) -> None:
+    def install(self, key: ExpertKey, row: int) -> None:
+        """`row` now holds `key` (read complete); kept if this tier has capacity."""
+        if not self.capacity:
+            return
+        if key in self.index:  # read twice (a cancelled prefetch's read finished late)
+            self.free.append(row)
+            return
+        self.index[key] = row
+        self.key_at[row] = key
+        self.policy.insert(key)
+
+    def discard(self, row: int) -> None:
+        """A claimed row whose read failed or was abandoned goes back, holding nothing."""
+        if self.capacity and row not in self.key_at:
+            self.free.append(row)
+
+    def hold(self, row: int) -> None:
+        self.held[row] = self.held.get(row, 0) + 1
+
+    def unhold(self, row: int) -> None:
+        n = self.held[row] - 1
+        if n:
+            self.held[row] = n
+        else:
+            del self.held[row]
+
+    def mark_in_flight(self, row: int, event: Any | None) -> None:
         """An async copy reads host row `row` until `event` completes."""
         if event is not None:
             self.in_flight[row] = event
@@ -101,17 +204,9 @@ class HostTier:
     def row_of(self, key: ExpertKey) -> int:
         return self.index[key]
 
-    def _claim_row(self, key: ExpertKey) -> int:
-        if not self.capacity:
-            row = self._next_staging
-            self._next_staging = (row + 1) % self.pool.shape[0]
-            return row
-        if self.free:
-            return self.free.pop()
-        victim = self.policy.victim()
-        self.policy.remove(victim)
-        self.stats.host_evictions += 1
-        return self.index.pop(victim)
+    def _row_idle(self, row: int) -> bool:
+        event = self.in_flight.get(row)
+        return event is None or bool(event.query())
 
     def _wait_row(self, row: int) -> None:
         event = self.in_flight.pop(row, None)
@@ -123,3 +218,6 @@ class HostTier:
         assert len(rows) == len(set(rows)), "two experts share a host row"
         assert len(rows) <= self.capacity
         assert not set(rows) & set(self.free), "a used host row is also free"
+        assert all(self.key_at[r] == k for k, r in self.index.items()), "row map disagrees"
+        assert len(self.key_at) == len(self.index)
+        assert all(n > 0 for n in self.held.values())

@@ -5,7 +5,7 @@ Imports no engine, server or model code; the MoE layer talks to offload only thr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple, Protocol
@@ -88,4 +88,9 @@ class ExpertProvider(Protocol):
 
     def release(self, batch: ExpertBatch) -> None:
         """Compute using `batch` has been issued; its slots may be reused after it completes."""
+        ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start low-priority loads of `experts` of `layer` (a guess; never evicts what a wave
+        being computed holds); returns how many loads started. Never blocks."""
         ...

@@ -17,6 +17,10 @@ from moetier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _PUBLIC_FLAG = "--allow-public-without-key"
+PREFETCH_HELP = (
+    "next-layer expert prefetch: a predictor (same-index, activation, gate-lookahead); "
+    "default: off; only acts when experts are offloaded"
+)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -31,6 +35,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", default="lru", help="expert-cache policy (lru, lfu, lfru, least-stale)"
     )
+    p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
+    p.add_argument("--prefetch-ahead", type=_positive, default=1,
+                   help="MoE layers ahead to prefetch")  # fmt: skip
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
     p.add_argument(_PUBLIC_FLAG, action="store_true",
@@ -121,6 +128,8 @@ def _engine_args(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         policy=args.policy,
+        prefetch=args.prefetch,
+        prefetch_ahead=args.prefetch_ahead,
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

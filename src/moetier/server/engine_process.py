@@ -39,6 +39,8 @@ class EngineArgs:
     device: str = "auto"
     dtype: str = "auto"
     policy: str = "lru"
+    prefetch: str | None = None
+    prefetch_ahead: int = 1
     seed: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -94,6 +96,8 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             dtype=args.dtype,
             seed=args.seed,
             policy=args.policy,
+            prefetch=args.prefetch,
+            prefetch_ahead=args.prefetch_ahead,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             progress=False,
