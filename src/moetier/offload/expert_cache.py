@@ -486,6 +486,7 @@ class ExpertCache:
         events = []
         for slot in wave.slots:
             s = self.table.slots[slot]
+            assert s.state is SlotState.READY, f"{s.key} is {s.state.value} after its fetch"
             if s.ready is not None:
                 events.append(s.ready)
                 s.ready = None  # the compute stream is ordered after it from now on
