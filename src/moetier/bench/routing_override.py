@@ -113,6 +113,10 @@ class TraceRouting:
 class OverrideGate(nn.Module):
     """Wraps a router: ids from the override, weights from the real logits at those ids."""
 
+    # Its ids come from the host on every call: a CUDA graph would replay the captured ids
+    # forever, so decode steps of a model wearing this gate run eagerly (engine/graphs.py).
+    host_routing = True
+
     def __init__(self, inner: nn.Module, source: RoutingSource, index: int) -> None:
         super().__init__()
         self.inner = inner

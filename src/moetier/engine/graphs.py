@@ -36,6 +36,18 @@ class _Graph:
     logits: torch.Tensor  # [B, V] float32, written by every replay
 
 
+def graph_safe(blocks: list[Any], pairs: int) -> bool:
+    """A replayed graph computes what eager would for every MoE block: no host observer of
+    the routing, no router fed from the host each call (the bench's routing override; a graph
+    would replay its captured ids), and `pairs` (token, expert) pairs fit the slot kernel."""
+    return all(
+        b.route_observer is None
+        and not getattr(b.gate, "host_routing", False)
+        and pairs <= b.slot_kernel_max_pairs
+        for b in blocks
+    )
+
+
 class DecodeGraphs:
     """Captures the decode forward per (B, W) and replays it for qualifying steps."""
 
@@ -56,9 +68,8 @@ class DecodeGraphs:
             return False
         if self.runner.expert_cache.resident_table is None:
             return False
-        for b in self.runner.model.moe_blocks():
-            if b.route_observer is not None or len(sched) * self.top_k > b.slot_kernel_max_pairs:
-                return False
+        if not graph_safe(self.runner.model.moe_blocks(), len(sched) * self.top_k):
+            return False
         return all(s.num_new_tokens == 1 and s.samples for s in sched)
 
     def run(self, batch: SchedulerOutput) -> torch.Tensor | None:

@@ -67,14 +67,11 @@ class MoEBlock(nn.Module):
             weights = weights.to(x.dtype)
         provider = self.provider
         assert provider is not None, "expert provider not attached"
-        kernel = (
-            0 < ids.numel() <= self.slot_kernel_max_pairs
-            and self.act_name == "silu"
-            and self.route_observer is None
-        )
-        if kernel and provider.resident_table is not None:
+        kernel = 0 < ids.numel() <= self.slot_kernel_max_pairs and self.act_name == "silu"
+        if kernel and provider.resident_table is not None and self.route_observer is None:
             # Every expert is resident: the slot of (layer, expert) is a device table lookup and
-            # the host decides nothing, so this layer adds no host sync.
+            # the host decides nothing, so this layer adds no host sync. (An observer needs the
+            # ids on the host: it takes the synced path below, with the same kernel.)
             ids, order = ids.sort(dim=-1)  # ascending expert per token, as the reference adds
             slots = provider.resident_table[self.layer][ids]  # [T, K]
             provider.count_resident(ids.numel())
