@@ -22,7 +22,7 @@ from moetier.config import (
 )
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
-from moetier.errors import ConfigError
+from moetier.errors import ConfigError, DeviceMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,21 @@ def _check_budgets_and_policy(expert_budget: Budget, host_budget: Budget, policy
         raise ConfigError(
             f"unknown expert-cache policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}"
         )
+
+
+def _build_engine(config: EngineConfig, tokenizer: Any) -> Engine:
+    """The engine; a device out-of-memory not already explained where it happened (non-expert
+    weights, expert slots) becomes a DeviceMemoryError naming the settings that use memory."""
+    try:
+        return Engine(config, tokenizer)
+    except torch.OutOfMemoryError as exc:
+        detail = ". ".join(str(exc).strip().split(". ")[:2])
+    # Raised outside `except`: chaining would keep the half-built engine's tensors alive.
+    raise DeviceMemoryError(
+        f"device out of memory while building the engine ({detail}). Lower "
+        f"--expert-budget (now {config.offload.expert_budget or 'all experts'}), "
+        f"--num-kv-blocks or --max-num-seqs, or free the memory other processes hold."
+    )
 
 
 class LLM:
@@ -99,7 +114,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
         )
         self.tokenizer = load_tokenizer(model)
-        self.engine = Engine(self.config, self.tokenizer)
+        self.engine = _build_engine(self.config, self.tokenizer)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from moetier.config import EngineConfig
+from moetier.device_memory import allocate
 from moetier.engine.batch import SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache
@@ -98,6 +99,21 @@ def load_generation_config(model_dir: Path) -> Any | None:
         return None
 
 
+_NON_EXPERT_FIX = (
+    "These stay on the device whatever the budgets: free the memory other processes hold, "
+    "pick a smaller --dtype (bfloat16), or use a device with more memory."
+)
+
+
+def _non_expert_bytes(family: Any, hf_config: Any, dtype: torch.dtype) -> int:
+    """Bytes of the model's own tensors (everything but routed experts), counted on meta."""
+    with torch.device("meta"):
+        model = family.build(hf_config)
+    size = torch.empty((), dtype=dtype).element_size()
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
 class ModelRunner:
     """Runs the model over a flattened batch of scheduled tokens."""
 
@@ -112,8 +128,15 @@ class ModelRunner:
         layout = ExpertLayout(
             self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts
         )
-        self.model = build_model(
-            family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.model = allocate(
+            self.device,
+            lambda: build_model(
+                family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
+            ),
+            f"the non-expert weights of {self.model_dir} in {dtype_name}",
+            lambda: _non_expert_bytes(family, self.hf_config, self.dtype),
+            lambda _: _NON_EXPERT_FIX,
         )
         self.stats = OffloadStats()
         self.expert_cache: ExpertCache
