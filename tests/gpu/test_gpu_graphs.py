@@ -31,6 +31,11 @@ def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
     graphs = LLM(str(ckpt), cuda_graphs=True, **kw)
     want = moetier_greedy(eager, PROMPTS)
     assert moetier_greedy(graphs, PROMPTS) == want  # batch of mixed lengths
+    # Replays count their steps, MoE calls and lookups as the eager steps do (capture: nothing)
+    counted = ("_steps", "resident_lookups", "moe_calls", "token_lookups", "distinct_lookups")
+    eager_stats, graph_stats = eager.offload_stats(), graphs.offload_stats()
+    keys = [k for k in eager_stats if any(c in k for c in counted)]
+    assert {k: graph_stats[k] for k in keys} == {k: eager_stats[k] for k in keys}
     assert [moetier_greedy(graphs, [p])[0] for p in PROMPTS] == want  # each alone
     runner = graphs.engine.runner
     assert runner.graphs is not None

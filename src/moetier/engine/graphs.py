@@ -98,7 +98,7 @@ class DecodeGraphs:
             g.inputs.copy_(host, non_blocking=True)
             g.graph.replay()
         self.replays += 1
-        self.runner.stats.resident_lookups += key[0] * self.top_k * self.moe_layers
+        self.runner.stats.count_device_calls(key[0] * self.top_k * self.moe_layers, self.moe_layers)
         return g.logits.clone()  # the pool is shared: detach the result from the next replay
 
     def _forward(self, inputs: torch.Tensor, b: int, w: int) -> torch.Tensor:
@@ -129,7 +129,7 @@ class DecodeGraphs:
         b, w = key
         device = self.runner.device
         inputs = host.to(device)
-        lookups = self.runner.stats.resident_lookups  # the two forwards below count nothing
+        counts = self.runner.stats.save_counts()  # the two forwards below count nothing
         try:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it computes
             # this very step, so the K/V it writes are the ones the replay writes again.
@@ -146,8 +146,9 @@ class DecodeGraphs:
                         b, w, str(exc).splitlines()[0])
             self.failed.add(key)
             torch.cuda.synchronize(device)
+            self.runner.stats.restore_counts(counts)  # the eager run of this step counts it
             return None
-        self.runner.stats.resident_lookups = lookups
+        self.runner.stats.restore_counts(counts)
         graph.replay()
         g = _Graph(graph, inputs, logits)
         self.graphs[key] = g

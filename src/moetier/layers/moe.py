@@ -105,6 +105,7 @@ class MoEBlock(nn.Module):
         experts = sorted(set(host_ids))
         if len(experts) > provider.max_batch:
             return None
+        provider.count_routed(len(host_ids), len(experts))
         batch = provider.fetch(self.layer, experts)
         try:  # a raising step must still hand its slots back (the engine keeps serving)
             slot_of = dict(zip(batch.experts, batch.slots))
@@ -136,6 +137,7 @@ class MoEBlock(nn.Module):
         order = torch.argsort(flat, stable=True)  # token-major slots grouped by expert
         counts = torch.bincount(flat, minlength=1).tolist()
         experts = [e for e, c in enumerate(counts) if c]
+        provider.count_routed(flat.numel(), len(experts))
         offsets = [0]
         for e in range(len(counts)):
             offsets.append(offsets[-1] + counts[e])
