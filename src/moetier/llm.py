@@ -87,6 +87,7 @@ class LLM:
         moe_slot_kernel_max_pairs: int | None = None,
         fused_kernels: bool | None = None,
         cuda_graphs: bool | None = None,
+        piecewise_graphs: bool | None = None,
         num_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         max_model_len: int | None = None,
@@ -112,6 +113,7 @@ class LLM:
             moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
             fused_kernels=fused_kernels,
             cuda_graphs=cuda_graphs,
+            piecewise_graphs=piecewise_graphs,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = _build_engine(self.config, self.tokenizer)

@@ -174,7 +174,7 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, piecewise=bool(config.piecewise_graphs))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -208,7 +208,11 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         kv_batch = self.kv_cache.build_batch(kv_spans, len(ids))
         ctx = ForwardContext(spans, pos, self.kv_cache, kv_batch)
-        hidden = self.model(input_ids, ctx)  # [T, D]
+        try:
+            hidden = self.model(input_ids, ctx)  # [T, D]
+        finally:
+            if self.graphs is not None:  # a failed capture left this step's routing staged
+                self.graphs.unstage()
         rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])  # [N, V]
 
