@@ -201,3 +201,41 @@ def test_read_pool_waiter_runs_a_queued_read_itself_and_gets_errors() -> None:
     gate.set()
     assert pool.wait(busy) is True
     assert ran_on == [threading.current_thread().name]  # the cancelled read never ran
+
+
+def test_paused_engine_issues_nothing_and_its_thread_makes_no_call() -> None:
+    dst, src, tags = _buffers("ABD", 8)
+    copier = FakeCopier(tags)
+    engine = TransferEngine(copier, chunk_bytes=16, window=1, background=True)
+    engine.submit("A", dst[0], src[0], PREFETCH)
+    deadline = time.monotonic() + 5.0
+    while not copier.log and time.monotonic() < deadline:
+        time.sleep(0.001)
+    held, release = threading.Event(), threading.Event()
+    seen: list[list[str]] = []
+
+    def capture() -> None:  # waits until the thread's wait on A0 is over, then holds the engine
+        with engine.paused():
+            held.set()
+            assert release.wait(5.0)
+            seen.append(list(copier.log))
+
+    t = threading.Thread(target=capture)
+    t.start()
+    time.sleep(0.01)
+    assert not held.is_set()  # the pump thread is still waiting on A0's event
+    copier.complete_all()
+    assert held.wait(5.0)
+    engine.submit("B", dst[1], src[1], PREFETCH)
+    engine.submit("D", dst[2], src[2], ON_DEMAND)
+    assert engine.pump() == 0
+    time.sleep(0.02)
+    release.set()
+    t.join()
+    assert seen == [["A0", "D0"]]  # prefetch chunks held back; on-demand copies still go
+    for n in (3, 4, 5):
+        deadline = time.monotonic() + 5.0
+        while len(copier.log) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        copier.complete_all()
+    assert copier.log == ["A0", "D0", "A1", "B0", "B1"]

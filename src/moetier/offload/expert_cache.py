@@ -130,7 +130,10 @@ class ExpertCache:
         return self._resident_table
 
     def count_resident(self, pairs: int) -> None:
-        self.stats.resident_lookups += pairs
+        self.stats.count_device_calls(pairs)
+
+    def count_routed(self, pairs: int, distinct: int) -> None:
+        self.stats.count_host_call(pairs, distinct)
 
     def count_routing_sync(self, seconds: float) -> None:
         self.stats.routing_sync_s += seconds
@@ -152,6 +155,11 @@ class ExpertCache:
     @property
     def bytes(self) -> int:
         return self.slots.numel() * self.slots.element_size()
+
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """While held, no background thread makes a CUDA call (prefetch copies wait): wrap a
+        CUDA-graph capture in it."""
+        return self.transfer.paused()
 
     # the provider interface
     def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:

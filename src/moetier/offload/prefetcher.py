@@ -29,7 +29,8 @@ class Prefetcher:
 
     def __call__(self, layer: int, experts: Sequence[int], hidden: torch.Tensor | None) -> None:
         """`experts`: the call's routed ids flat in token order ([T*K]); `hidden`: the layer's
-        router input [T, D] (used by predictors that apply a router to it)."""
+        router input [T, D] (used by predictors that apply a router to it; None in a
+        piecewise-graph replay, where such predictors guess nothing)."""
         requests = self.token_requests
         if requests is not None and (not requests or len(experts) % len(requests)):
             requests = None  # not this step's tokens: one anonymous request

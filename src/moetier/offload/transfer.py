@@ -28,11 +28,12 @@ start on demand and exit when idle, so an unused pool costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -171,6 +172,8 @@ class TransferEngine:
         self._in_flight: deque[Any] = deque()  # events of prefetch chunks on the stream
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._paused = 0  # > 0: no prefetch chunk is issued and the pump thread makes no CUDA call
+        self._busy = False  # the pump thread is waiting on a chunk's event
 
     def submit(
         self,
@@ -217,6 +220,22 @@ class TransferEngine:
         with self._cond:
             return self._pump_locked()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While held, queued prefetch chunks wait and the pump thread makes no CUDA call: a
+        CUDA-graph capture (global mode) fails on any thread's event query or sync. On-demand
+        copies are not affected (the capturing thread issues none)."""
+        with self._cond:
+            self._paused += 1
+            while self._busy:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
+
     def pending(self) -> int:
         """Queued jobs with chunks not yet issued (cancelled ones excluded)."""
         with self._cond:
@@ -240,6 +259,8 @@ class TransferEngine:
         job.issued_bytes += sum(_nbytes(d) for d, _ in chunks)
 
     def _pump_locked(self) -> int:
+        if self._paused:
+            return 0
         while self._in_flight and self.copier.query(self._in_flight[0]):
             self._in_flight.popleft()
         issued = 0
@@ -267,14 +288,21 @@ class TransferEngine:
             while True:
                 with self._cond:
                     self._pump_locked()
-                    while not self._in_flight:
+                    while self._paused or not self._in_flight:
                         timed_out = not self._cond.wait(IDLE_EXIT_S)
                         self._pump_locked()
-                        if timed_out and not self._in_flight and not self._queue:
+                        idle = not self._in_flight and not self._queue
+                        if timed_out and idle and not self._paused:
                             self._thread = None
                             return
                     head = self._in_flight[0]
-                self.copier.synchronize(head)  # this thread only: the compute path never waits
+                    self._busy = True
+                try:
+                    self.copier.synchronize(head)  # this thread only: compute never waits
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
 
 
 @dataclass(eq=False)
