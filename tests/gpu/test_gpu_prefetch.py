@@ -36,10 +36,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-PATHS = {  # MoE compute path -> (moe_grouped_max_bytes, moe_slot_kernel_max_pairs)
-    "slot": (0, 1 << 20),
-    "grouped": (1 << 30, 0),
-    "loop": (0, 0),
+PATHS = {  # MoE compute path -> (moe_grouped_max_bytes, moe_slot_kernel_max_pairs, piecewise)
+    "slot": (0, 1 << 20, False),
+    "grouped": (1 << 30, 0, False),
+    "loop": (0, 0, False),
+    # decode steps as piecewise CUDA graphs: prefetch between replays, captures under quiet()
+    "piecewise": (0, 1 << 20, True),
 }
 
 
@@ -68,7 +70,7 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dict[str, float]]:
-    grouped, slot = PATHS[moe_path]
+    grouped, slot, piecewise = PATHS[moe_path]
     llm = LLM(
         str(path),
         expert_budget=budget(path),
@@ -77,6 +79,7 @@ def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dic
         progress=False,
         moe_grouped_max_bytes=grouped,
         moe_slot_kernel_max_pairs=slot,
+        piecewise_graphs=piecewise,
         prefetch=prefetch,
     )
     cache = llm.engine.runner.expert_cache
@@ -85,6 +88,9 @@ def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dic
     logits = [llm.prompt_logits(p) for p in PROMPTS]
     torch.cuda.synchronize()
     llm.engine.check_integrity()
+    runner = llm.engine.runner
+    if piecewise and len(PROMPTS) * runner.top_k <= runner.expert_cache.max_batch:
+        assert runner.graphs is not None and runner.graphs.replays > 0  # decode did replay
     return tokens, logits, llm.offload_stats()
 
 
