@@ -302,3 +302,24 @@ def test_failed_read_hands_back_its_slot_and_unpins_the_wave(layout: ExpertLayou
         cache._advance()
     assert K(1, 2) not in cache.slot_of and cache.stats.prefetches_cancelled == 1
     cache.check_integrity()
+
+
+def test_a_lone_miss_is_read_on_the_fetching_thread(layout: ExpertLayout) -> None:
+    cache = _cache(layout, slots=4, host_rows=0)
+    readers: dict[ExpertKey, str] = {}
+    real = cache.host.read_into
+
+    def spy(key: ExpertKey, out: torch.Tensor) -> tuple[int, float]:
+        readers[key] = threading.current_thread().name
+        return real(key, out)
+
+    cache.host.read_into = spy  # type: ignore[method-assign]
+    main = threading.current_thread().name
+    cache.release(cache.fetch(0, [1]))
+    assert readers == {K(0, 1): main}  # no hand-off to a read thread
+    batch = cache.fetch(1, [0, 1, 2])  # the first read here, the others on the read threads
+    assert readers[K(1, 0)] == main and set(readers) == {K(0, 1), K(1, 0), K(1, 1), K(1, 2)}
+    for slot, key in zip(batch.slots, (K(1, 0), K(1, 1), K(1, 2))):
+        assert torch.equal(batch.pool[slot], _expert(layout, key))
+    cache.release(batch)
+    cache.check_integrity()

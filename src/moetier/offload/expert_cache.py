@@ -190,7 +190,8 @@ class ExpertCache:
                 self.table.pin(slot)
                 wave.slots.append(slot)
             self._complete(wave)
-        except BaseException:
+        except BaseException:  # loads left behind finish in the background
+            self.reads.start([ld.read for ld in self._loads_of(wave.pending) if ld.read])
             for s in wave.slots:
                 self.table.unpin(s)
             raise
@@ -310,7 +311,9 @@ class ExpertCache:
             row = load.row
             assert row is not None
             fn = lambda: host.read_into(key, host.row(row))  # noqa: E731
-        load.read = self.reads.submit(fn, load.priority, tag=key)
+        # An on-demand read waits for its fetch's `_complete`: a lone miss is then read on the
+        # fetching thread (no hand-off), several in parallel with the read threads.
+        load.read = self.reads.submit(fn, load.priority, key, defer=load.priority == ON_DEMAND)
 
     def _start_copy(self, load: Load, priority: int) -> None:
         assert load.slot is not None and load.row is not None
@@ -373,7 +376,10 @@ class ExpertCache:
                 self._drop(load)
 
     def _complete(self, wave: _Wave) -> None:
-        """Finish the loads of the wave's pending slots, in order."""
+        """Finish the loads of the wave's pending slots, in order; the first waiting read runs
+        on this thread, the others on the read threads meanwhile."""
+        reads = [ld.read for ld in self._loads_of(wave.pending) if ld.read is not None]
+        self.reads.start(reads[1:])
         for slot in wave.pending:
             load = self.table.slots[slot].load
             if load is None:
@@ -384,6 +390,9 @@ class ExpertCache:
                 wave.failed.append(load)
                 wave.error = wave.error or exc
         wave.pending.clear()
+
+    def _loads_of(self, slots: list[int]) -> list[Load]:
+        return [ld for ld in (self.table.slots[s].load for s in slots) if ld is not None]
 
     def _fail_wave(self, wave: _Wave) -> None:
         for s in wave.slots:

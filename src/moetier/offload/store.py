@@ -55,7 +55,8 @@ def alloc_host_rows(
         )
         buf = torch.empty(rows, numel, dtype=dtype, pin_memory=True)
         return buf, nbytes
-    weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
+    done = weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
+    done.atexit = False  # at exit the process unpins everything anyway; CUDA may be torn down
     return buf, nbytes
 
 

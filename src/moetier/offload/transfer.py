@@ -314,6 +314,7 @@ class ReadJob:
     seq: int
     tag: Any = None
     state: str = "queued"  # queued | running | done | cancelled
+    started: bool = False  # handed to the threads (a deferred job is not, until `start`)
     result: Any = None
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -334,15 +335,27 @@ class ReadPool:
         self._seq = itertools.count()
         self._workers = 0
 
-    def submit(self, fn: Callable[[], Any], priority: int, tag: Any = None) -> ReadJob:
+    def submit(
+        self, fn: Callable[[], Any], priority: int, tag: Any = None, defer: bool = False
+    ) -> ReadJob:
+        """Queue a read. `defer`: not handed to the threads until `start` (a caller about to
+        wait for it runs it itself, with no thread hand-off)."""
         job = ReadJob(fn, priority, next(self._seq), tag)
+        if not defer:
+            self.start([job])
+        return job
+
+    def start(self, jobs: Sequence[ReadJob]) -> None:
+        """Hand deferred jobs to the threads."""
         with self._cond:
-            heapq.heappush(self._queue, (priority, job.seq, job))
-            if self._workers < self.threads:
+            for job in jobs:
+                if job.state == "queued" and not job.started:
+                    job.started = True
+                    heapq.heappush(self._queue, (job.priority, job.seq, job))
+            while self._workers < min(self.threads, len(self._queue)):
                 self._workers += 1
                 threading.Thread(target=self._worker, name="moetier-read", daemon=True).start()
-            self._cond.notify()
-        return job
+            self._cond.notify(len(jobs))
 
     def cancel(self, job: ReadJob) -> bool:
         """Cancel `job` if it has not started (it will never run); False if it has."""
