@@ -202,6 +202,20 @@ def test_prefetch_accounting_exact(layout: ExpertLayout) -> None:
     cache.check_integrity()
 
 
+def test_prefetch_never_evicts_a_key_of_its_own_layer(layout: ExpertLayout) -> None:
+    copier = FakeCopier()
+    cache = _cache(layout, slots=3, host_rows=8, copier=copier)
+    victims = _spy_victims(cache)
+    cache.release(cache.fetch(1, [0]))  # the least recently used key, but of layer 1
+    cache.release(cache.fetch(0, [1, 2]))
+    assert cache.prefetch(1, [3]) == 1
+    assert victims == [K(0, 1)]
+    assert cache.prefetch(1, [2, 1]) == 1  # (0,2) goes; then only layer-1 keys are left
+    assert victims == [K(0, 1), K(0, 2)]
+    assert set(cache.slot_of) == {K(1, 0), K(1, 3), K(1, 2)}
+    cache.check_integrity()
+
+
 def test_prefetch_never_cancels_another_prefetch(layout: ExpertLayout) -> None:
     copier = FakeCopier()
     cache = _cache(layout, slots=2, host_rows=8, copier=copier)

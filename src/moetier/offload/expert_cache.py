@@ -214,8 +214,9 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start low-priority loads of `experts` of MoE layer `layer` into free slots or the
-        policy's victims, never evicting a pinned slot or cancelling another load; returns how
-        many started. A later fetch of such a key is a hit that waits for its load.
+        policy's victims, never evicting a pinned slot, another key of `layer` (as likely to be
+        needed as the guess) or cancelling another load; returns how many started. A later
+        fetch of such a key is a hit that waits for its load.
 
         Called after the current layer's fetch: its unpinned loads still in progress are stale
         and are cancelled first."""
@@ -223,7 +224,9 @@ class ExpertCache:
             return 0
         self._advance()
         self._drop_stale(self._last_layer)
-        exclude = self.table.pinned_keys() | self.table.loading_keys()
+        exclude = (
+            self.table.pinned_keys() | self.table.loading_keys() | self.table.keys_of_layer(layer)
+        )
         started = 0
         for e in experts:
             key = ExpertKey(layer, e)

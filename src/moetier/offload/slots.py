@@ -44,6 +44,7 @@ class SlotTable:
         self.free = list(range(n - 1, -1, -1))
         self._pinned: set[int] = set()
         self._loading: set[int] = set()
+        self._by_layer: dict[Any, set[Any]] = {}  # key[0] (the layer) -> its keys in slots
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -60,6 +61,7 @@ class SlotTable:
         s.prefetched = prefetched
         self.slot_of[key] = slot
         self._loading.add(slot)
+        self._by_layer.setdefault(key[0], set()).add(key)
 
     def mark_ready(self, slot: int, event: Any = None) -> None:
         s = self.slots[slot]
@@ -74,6 +76,7 @@ class SlotTable:
         assert s.pins == 0, f"slot {slot} is pinned ({s.pins}): never a victim"
         key = s.key
         del self.slot_of[key]
+        self._by_layer[key[0]].discard(key)
         self._loading.discard(slot)
         s.state, s.key, s.load, s.ready, s.prefetched = SlotState.FREE, None, None, None, False
         return key
@@ -102,6 +105,10 @@ class SlotTable:
     def loading_keys(self) -> set[Any]:
         return {self.slots[s].key for s in self._loading}
 
+    def keys_of_layer(self, layer: Any) -> set[Any]:
+        """Keys of `layer` holding a slot (a live view: copy before changing the table)."""
+        return self._by_layer.get(layer, set())
+
     def loading_slots(self) -> list[int]:
         return sorted(self._loading)
 
@@ -124,3 +131,5 @@ class SlotTable:
             assert (s.state is SlotState.LOADING) == (s.load is not None) == (i in self._loading)
             assert not (idle and s.pins), f"slot {i} ({s.key}) still pinned {s.pins}x"
         assert len(self.slot_of) + len(free) == len(self.slots), "slots leaked"
+        by_layer = {k for keys in self._by_layer.values() for k in keys}
+        assert by_layer == set(self.slot_of), "per-layer key sets disagree with the slot map"
