@@ -46,14 +46,14 @@ PATHS = {  # MoE compute path -> (moe_grouped_max_bytes, moe_slot_kernel_max_pai
 
 
 def budget(path: Path, dtype_bytes: int = 2) -> str:
-    """25% of routed-expert bytes, but at least two waves of top-k slots (at top-k slots every
-    slot is pinned by the running wave and nothing can be prefetched)."""
+    """25% of routed-expert bytes, but at least three waves of top-k slots (at top-k slots every
+    slot is pinned by the running wave, and a prefetch never evicts its target layer's keys)."""
     cfg = json.loads((path / "config.json").read_text())
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     expert = 3 * cfg["hidden_size"] * inter * dtype_bytes
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     layers = cfg["num_hidden_layers"]  # an upper bound on MoE layers: 25% of it is generous
-    return f"{max(2 * cfg['num_experts_per_tok'], experts * layers // 4) * expert}B"
+    return f"{max(3 * cfg['num_experts_per_tok'], experts * layers // 4) * expert}B"
 
 
 @pytest.fixture
