@@ -174,7 +174,7 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            self.graphs = DecodeGraphs(self, piecewise=bool(config.piecewise_graphs))
+            self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
