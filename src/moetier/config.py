@@ -171,5 +171,5 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Offloaded decode steps as piecewise CUDA graphs: one graph from each MoE layer's routing
     # to the next, the host deciding fetches and slots in between (engine/graphs.py). None =
-    # off; needs cuda_graphs.
+    # on with cuda_graphs (H200, DeepSeek-V2-Lite shape, 25%: 104 -> 54 ms a token).
     piecewise_graphs: bool | None = None

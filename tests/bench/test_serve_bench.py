@@ -206,3 +206,24 @@ def test_dedup_from_metrics_pages() -> None:
     off = offload_delta(before, parse_metrics(resident), 40)
     assert off is not None and off["moe_layers_per_step"] == 2
     assert off["distinct_per_decode_step"] is None and off["decode_distinct_over_sum"] is None
+
+
+def test_random_prompts_without_a_vocabulary_fall_back_to_byte_ids() -> None:
+    """A synthetic checkpoint's tokenizer may load with an empty vocabulary: token-id prompts
+    still work (the H200 serving sweep runs on one); chat prompts need real text."""
+    import pytest
+
+    from moetier.bench.serve_data import sample_random
+    from moetier.errors import ConfigError
+
+    class Empty:
+        all_special_ids: list[int] = []
+
+        def __len__(self) -> int:
+            return 0
+
+    prompts = sample_random(Empty(), 3, 5, 2, seed=0, as_text=False)
+    assert [len(p.prompt) for p in prompts] == [5, 5, 5]  # type: ignore[arg-type]
+    assert all(0 <= t < 256 for p in prompts for t in p.prompt)  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="need a tokenizer"):
+        sample_random(Empty(), 1, 5, 2, seed=0, as_text=True)

@@ -140,6 +140,9 @@ class DecodeGraphs:
             self.graphs.clear()
             self.failed.clear()
             self.gates = gates
+            # a fresh memory pool: capturing into the dropped graphs' pool trips an allocator
+            # assert (use count 0) in torch 2.11
+            self.pool = torch.cuda.graph_pool_handle()
         blocks = self.runner.kv_cache.blocks
         lens, tables = [], []
         for s in batch.scheduled:

@@ -176,7 +176,7 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            self.graphs = DecodeGraphs(self, piecewise=bool(config.piecewise_graphs))
+            self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
 
     def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
         """Next-layer prefetch on the MoE miss path; off when every expert is resident (the
