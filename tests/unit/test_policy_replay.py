@@ -44,6 +44,7 @@ def test_pool_smaller_than_a_step_lru_thrashes_least_stale_matches_belady() -> N
         got[name] = (r.hits, r.evictions)
     assert belady(CYCLE, 2).misses == 7  # 5 hits of 12
     assert got == {
+        "activation": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "least-stale": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "lfru": (3, [(1, 0), (2, 0), (1, 0), (2, 0), (1, 0), (2, 0), (1, 0)]),
         "lfu": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
@@ -58,7 +59,7 @@ SEQUENCE = _records([(0, [e]) for e in [0, 0, 0, 1, 2, 3, 0, 2, 1, 3]])
 def test_single_layer_sequence_exact_hits() -> None:
     hits = {name: simulate(SEQUENCE, 3, make_policy(name)).hits for name in sorted(POLICIES)}
     # one layer: least-stale is LRU; lfru keeps the thrice-used 0 like LFU
-    assert hits == {"least-stale": 3, "lfru": 4, "lfu": 4, "lru": 3}
+    assert hits == {"activation": 3, "least-stale": 3, "lfru": 4, "lfu": 4, "lru": 3}
 
 
 def _calls(seed: int) -> list[tuple[int, list[int]]]:

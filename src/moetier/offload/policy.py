@@ -32,8 +32,19 @@ _NO_KEY = "no evictable key: every resident key is in use"
 class Policy:
     """Tracks resident keys and picks an eviction victim among them."""
 
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
-        """A wave of `experts` of MoE layer `layer` is about to be fetched (optional hook)."""
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """A wave of `experts` of MoE layer `layer` is about to be fetched (optional hook).
+
+        `requests` and `routing` (optional, with a call's first wave only): each token's
+        request id and its top-k expert ids, as a trace record has them. The replay passes
+        them; the engine's cache does not yet (None), so a policy must work without them.
+        """
 
     def insert(self, key: Any) -> None:
         raise NotImplementedError
@@ -169,7 +180,13 @@ class LayeredPolicy(Policy):
         raise NotImplementedError
 
     # hooks
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self._clock += 1
         known = layer in self._visit
         self._visit[layer] = self._clock
@@ -315,7 +332,13 @@ class LFRUPolicy(LayeredPolicy):
         self._history: dict[Any, tuple[float, int]] = {}  # key -> (count at t, t)
         self._lam = math.log(2.0) / half_life_steps  # per call; set per MoE layers seen
 
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         if layer not in self._visit:
             self._lam = math.log(2.0) / (self.half_life_steps * (len(self._visit) + 1))
         super().begin_call(layer, experts)
@@ -331,11 +354,19 @@ class LFRUPolicy(LayeredPolicy):
         return self.stale * self._lam
 
 
+def _activation() -> Policy:
+    # offload/activation.py builds on this module (Policy), so it is imported when asked for.
+    from moetier.offload.activation import ActivationPolicy
+
+    return ActivationPolicy()
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "lfru": LFRUPolicy,
     "least-stale": LeastStalePolicy,
+    "activation": _activation,
 }
 
 
