@@ -11,9 +11,10 @@ divided by its tokens seen at l, lib_r the similarity-weighted mean of the `matc
 matrices most similar to r's (cosine over the flattened counts), and a = t / (t + prior_tokens)
 with t the tokens r has shown at l: the library speaks for a request that has shown little.
 
-Requests are ids given per token. A request is retired (its matrix goes to the library) when a
-step passes without it: the tracker sees a step begin when a call's layer is not after the
-previous call's layer. `end_request` retires one explicitly.
+Requests are ids given per token. The tracker sees a step begin when a call's layer is not
+after the previous call's layer; a request missing from a step's first call is retired (its
+matrix goes to the library): every token of a step passes every MoE layer. A preempted request
+is retired too and starts afresh when it resumes. `end_request` retires one explicitly.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class ActivationTracker:
     ) -> list[int]:
         """Count one MoE layer call; returns the call's distinct requests (first-seen order)."""
         if self._last_layer is not None and layer <= self._last_layer:
-            self._new_step()
+            self._new_step(None if requests is None else set(requests))
         self._last_layer = layer
         if requests is None:
             rows = [(ANONYMOUS, list(experts), 1)]
@@ -193,11 +194,15 @@ class ActivationTracker:
         est = np.tensordot(w / w.sum(), np.stack([self._lib_freq[i] for i in top]), axes=1)
         return est.astype(np.float32)
 
-    def _new_step(self) -> None:
-        """A step ended: retire the requests it did not see."""
-        for r in [r for r, s in self._seen.items() if s < self._step and r != ANONYMOUS]:
-            self.end_request(r)
+    def _new_step(self, present: set[int] | None) -> None:
+        """A step begins with a call whose requests are `present`: every token of a step goes
+        through every MoE layer, so a request missing from it is not in this step; retire it.
+        Without ids, retire the requests the previous step did not see."""
         self._step += 1
+        for r in list(self._seen):
+            gone = r not in present if present is not None else self._seen[r] < self._step - 1
+            if gone and r != ANONYMOUS:
+                self.end_request(r)
 
     def _grow(self, layers: int, experts: int) -> None:
         rows, cols = self._shape
@@ -249,8 +254,13 @@ class ActivationPolicy(Policy):
         self.tracker = ActivationTracker(**tracker_kw)
         self._lam = math.log(2.0) / half_life_steps
         self._cells = (len(_AGE_EDGES) + 1) * (len(_COUNT_EDGES) + 1) * (len(_NEED_EDGES) + 1)
-        self._used = np.full(self._cells, 0.1)  # prior: p = 0.1 with the weight of one trial
-        self._trials = np.ones(self._cells)
+        # Successes and trials per cell, and per age bucket (all cells of that age): a cell's
+        # estimate is smoothed toward its age bucket's with the weight of one trial, and an age
+        # bucket's toward 0.1, so cells not seen yet start from what their age says.
+        self._used = np.zeros(self._cells)
+        self._trials = np.zeros(self._cells)
+        self._age_used = np.full(len(_AGE_EDGES) + 1, 0.1)
+        self._age_trials = np.ones(len(_AGE_EDGES) + 1)
         self._pos: dict[int, int] = {}  # MoE layer -> position in the step's layer order
         self._rows = 0
         self._cols = 0
@@ -333,6 +343,10 @@ class ActivationPolicy(Policy):
     def order(self) -> list[Any]:
         return [self._keys[lk] for lk in self._ranked(None)]
 
+    def probability(self, key: Any) -> float:
+        """The key's learned probability of use at its layer's next call (1 for a prefetch)."""
+        return float(self._p[int(key[0]), int(key[1])])
+
     # internals
     def _call(self, layer: int, used: np.ndarray, active: list[int]) -> None:
         """Learn from this call's use of layer's experts, then set each expert's cell and
@@ -342,6 +356,9 @@ class ActivationPolicy(Policy):
         hit[used] = True
         self._trials += np.bincount(cells, minlength=self._cells)
         self._used += np.bincount(cells[hit], minlength=self._cells)
+        per_age = self._cells // len(self._age_used)
+        self._age_trials += np.bincount(cells // per_age, minlength=len(self._age_used))
+        self._age_used += np.bincount(cells[hit] // per_age, minlength=len(self._age_used))
         step = self._step
         count = self._count[layer] * np.exp(-self._lam * (step - self._count_step[layer]))
         count[used] += 1.0
@@ -356,7 +373,8 @@ class ActivationPolicy(Policy):
         cells = (a * (len(_COUNT_EDGES) + 1) + c) * (len(_NEED_EDGES) + 1)
         cells[: len(n)] += n
         self._cell[layer] = cells
-        self._p[layer] = self._used[cells] / self._trials[cells]
+        prior = self._age_used[a] / self._age_trials[a]
+        self._p[layer] = (self._used[cells] + prior) / (self._trials[cells] + 1.0)
 
     def _ranked(self, limit: int | None) -> list[tuple[int, int]]:
         """Resident keys, lowest predicted need per call first (ties: least recent); the first
@@ -399,7 +417,7 @@ class ActivationPolicy(Policy):
             self._last_use, self._count_step = empty.astype(np.int64), empty.astype(np.int64)
             self._count, self._cell = empty.copy(), empty.astype(np.int64)
         self._resident = np.pad(self._resident, pad)
-        self._p = np.pad(self._p, pad, constant_values=self._used[never] / self._trials[never])
+        self._p = np.pad(self._p, pad, constant_values=0.1)
         self._last_tick = np.pad(self._last_tick, pad)
         self._last_use = np.pad(self._last_use, pad, constant_values=-_NEVER)
         self._count_step = np.pad(self._count_step, pad)
