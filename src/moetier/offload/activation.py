@@ -299,7 +299,7 @@ class ActivationPolicy(Policy):
         else:
             flat = list(experts)
             active = self.tracker.observe(layer, flat)
-        used = np.unique(np.asarray(flat, dtype=np.int64))
+        used = np.array(sorted(set(flat)), dtype=np.int64)
         self._alloc(layer + 1, int(used[-1]) + 1 if len(used) else 1)
         self._call(layer, used, active)
 

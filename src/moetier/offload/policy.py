@@ -14,6 +14,10 @@ share one slot pool. A key of layer l used in this step cannot be needed again b
 step reaches l, so the layer just visited holds the stalest keys. Plain LRU evicts the oldest
 key, which is exactly the one the next layer needs when the pool is smaller than a step's
 working set, and its hit rate falls to 0 there.
+
+`activation` (learned use probabilities from recency, frequency and per-request activation
+matrices) lives in `offload/activation.py` with the matrices it shares with the `activation`
+predictor; the registry imports it when asked for.
 """
 
 from __future__ import annotations
