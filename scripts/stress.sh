@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Longer reliability runs than CI: API fuzzing (>= 5,000 requests), load with disconnects
-# (>= 500 concurrent streams, roomy and cramped KV), plus the fault, security, input and
-# shutdown tests.
+# (>= 500 concurrent streams, roomy and cramped KV), plus the fault, security, input,
+# shutdown and start-up out-of-memory tests.
 # Writes a markdown report: bench/results/<date>-stress-<device>.md (device: cpu unless
 # MOETIER_TEST_DEVICE is set).
 #   FUZZ=5000 CLIENTS=500 ROUNDS=2 scripts/stress.sh
@@ -21,7 +21,7 @@ export MOETIER_STRESS_RECORD=$RECORD MOETIER_FUZZ_EXAMPLES=$FUZZ MOETIER_LOAD_CL
 start=$(date +%s)
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider tests/reliability \
-    -k "fuzz or hostile or faults or security or inputs or shutdown" 2>&1 | tee -a "$LOG" || status=$?
+    -k "fuzz or hostile or faults or security or inputs or shutdown or startup_oom" 2>&1 | tee -a "$LOG" || status=$?
 for round in $(seq 1 "$ROUNDS"); do
     # Each round a different client count, so a different random plan of who leaves when.
     MOETIER_LOAD_CLIENTS=$((CLIENTS + round - 1)) .venv/bin/python -m pytest -q \

@@ -119,7 +119,22 @@ def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, float]
         f"(disk->host {format_bytes(s['bytes_disk_to_host'])}, host->device "
         f"{format_bytes(s['bytes_host_to_device'])}) | exposed fetch {s['exposed_fetch_s']:.3f} s, "
         f"miss handling {s['miss_host_s']:.3f} s, routing-sync wait {s['routing_sync_s']:.3f} s"
+        f" | {dedup_summary(s)}"
     )
+
+
+def dedup_summary(s: dict[str, float]) -> str:
+    """Engine steps, (token, expert) lookups before the per-step dedup, and the distinct
+    experts of the MoE calls routed on the host (the all-resident path does not measure them)."""
+    pairs = sum(s[f"token_lookups_host_{k}"] for k in ("decode", "prefill"))
+    distinct = sum(s[f"distinct_lookups_host_{k}"] for k in ("decode", "prefill"))
+    head = (
+        f"{int(s['engine_steps'])} steps ({int(s['decode_steps'])} decode), "
+        f"{int(s['token_lookups'])} expert lookups before dedup"
+    )
+    if not pairs:
+        return head + ", distinct not measured (all resident)"
+    return head + f", distinct {int(distinct)} of {int(pairs)} host-routed ({distinct / pairs:.1%})"
 
 
 def cmd_routing_stats(args: argparse.Namespace) -> int:

@@ -24,3 +24,8 @@ class UnsupportedModelError(MoetierError):
 
 class BudgetError(ConfigError):
     """An expert or host budget is below what one step needs."""
+
+
+class DeviceMemoryError(MoetierError):
+    """The compute device has too little free memory for what the settings ask (expert slots,
+    non-expert weights); the message says how much was asked, what was free, what to lower."""

@@ -22,7 +22,7 @@ from moetier.config import (
 )
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
-from moetier.errors import ConfigError
+from moetier.errors import ConfigError, DeviceMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,21 @@ def _check_budgets_and_policy(expert_budget: Budget, host_budget: Budget, policy
         )
 
 
+def _build_engine(config: EngineConfig, tokenizer: Any) -> Engine:
+    """The engine; a device out-of-memory not already explained where it happened (non-expert
+    weights, expert slots) becomes a DeviceMemoryError naming the settings that use memory."""
+    try:
+        return Engine(config, tokenizer)
+    except torch.OutOfMemoryError as exc:
+        detail = ". ".join(str(exc).strip().split(". ")[:2])
+    # Raised outside `except`: chaining would keep the half-built engine's tensors alive.
+    raise DeviceMemoryError(
+        f"device out of memory while building the engine ({detail}). Lower "
+        f"--expert-budget (now {config.offload.expert_budget or 'all experts'}), "
+        f"--num-kv-blocks or --max-num-seqs, or free the memory other processes hold."
+    )
+
+
 class LLM:
     """Load a Hugging Face MoE checkpoint with tiered experts and generate from prompts."""
 
@@ -72,6 +87,7 @@ class LLM:
         moe_slot_kernel_max_pairs: int | None = None,
         fused_kernels: bool | None = None,
         cuda_graphs: bool | None = None,
+        piecewise_graphs: bool | None = None,
         num_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         max_model_len: int | None = None,
@@ -97,9 +113,10 @@ class LLM:
             moe_slot_kernel_max_pairs=moe_slot_kernel_max_pairs,
             fused_kernels=fused_kernels,
             cuda_graphs=cuda_graphs,
+            piecewise_graphs=piecewise_graphs,
         )
         self.tokenizer = load_tokenizer(model)
-        self.engine = Engine(self.config, self.tokenizer)
+        self.engine = _build_engine(self.config, self.tokenizer)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -18,9 +18,30 @@ _LATENCY_BUCKETS = (
     20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
 
+_STEPS_DOC = (
+    "Engine steps that ran the model: step=decode when every request adds one token, "
+    "step=prefill when any prompt chunk runs"
+)
+_CALLS_DOC = (
+    "MoE layer calls; routing=host: routing ids synced to the host (distinct experts measured), "
+    "routing=device: all-resident slot table, no sync (distinct experts not measured)"
+)
+_TOKEN_LOOKUPS_DOC = (
+    "(token, expert) pairs the MoE layer calls asked for before the per-step dedup across the "
+    "batch, i.e. summed over the step's requests"
+)
+_DISTINCT_DOC = (
+    "Distinct experts per MoE layer call after the per-step dedup, summed; measured only in "
+    "routing=host calls (the all-resident path would need a host sync), so compare it with "
+    "moetier:expert_token_lookups{routing=host} of the same step kind"
+)
 # Engine snapshot key -> (metric name, help, labels) for monotonically growing totals.
 _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "requests": ("moetier:expert_lookups", "Expert lookups (distinct expert, layer, step)", {}),
+    "requests": (
+        "moetier:expert_lookups",
+        "Expert cache lookups: one per distinct expert per MoE layer call routed on the host",
+        {},
+    ),
     "device_hits": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "device"}),
     "host_hits": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "host"}),
     "disk_reads": ("moetier:expert_hits", "Expert lookups served by a tier", {"tier": "disk"}),
@@ -50,7 +71,33 @@ _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
         {},
     ),
     "num_preemptions": ("moetier:num_preemptions", "Requests preempted (KV blocks ran out)", {}),
+    "decode_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "decode"}),
+    "prefill_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "prefill"}),
 }
+
+
+def _moe_call_counters() -> dict[str, tuple[str, str, dict[str, str]]]:
+    """Per MoE layer call counters, by where routing was resolved and the kind of engine step
+    (snapshot keys as `OffloadStats` names them)."""
+    out = {}
+    for step in ("decode", "prefill"):
+        for routing in ("host", "device"):
+            labels = {"routing": routing, "step": step}
+            out[f"moe_calls_{routing}_{step}"] = ("moetier:moe_layer_calls", _CALLS_DOC, labels)
+            out[f"token_lookups_{routing}_{step}"] = (
+                "moetier:expert_token_lookups",
+                _TOKEN_LOOKUPS_DOC,
+                labels,
+            )
+        out[f"distinct_lookups_host_{step}"] = (
+            "moetier:expert_distinct_lookups",
+            _DISTINCT_DOC,
+            {"routing": "host", "step": step},
+        )
+    return out
+
+
+_COUNTERS.update(_moe_call_counters())
 # Engine snapshot key -> (metric name, help) for current values.
 _GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("moetier:num_requests_running", "Requests in the running batch"),

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from moetier.bench.serve import parse_metrics, summarize
+from moetier.bench.serve import offload_delta, parse_metrics, summarize
 from moetier.bench.serve_data import iter_json_array, parse_sharegpt
 from moetier.cli import main
 from tests.server.tiny import make_tiny_server_model
@@ -76,7 +76,36 @@ def test_bench_serve_random_against_started_server(
         assert _finite(off["expert_lookups"]) and off["expert_lookups"] > 0
         assert _finite(off["expert_lookups_per_output_token"])
         assert _finite(off["distinct_over_sum"])
+        _check_dedup(off, lv["max_concurrency"])
     assert result["results"][0]["offload"]["distinct_over_sum"] == pytest.approx(1.0)
+    assert "distinct experts / decode step" in text and "sum over requests / decode step" in text
+
+
+# The tiny server model (tests/server/tiny.py): Mixtral, 3 MoE layers, top-2 of 8 experts.
+_K, _LAYERS = 2, 3
+
+
+def _check_dedup(off: dict[str, Any], concurrency: int) -> None:
+    """Per-step dedup keys of one level: 4 requests of 12 prompt + 6 output tokens each."""
+    assert off["distinct_over_sum_source"] == "measured on decode steps"
+    assert off["prefill_steps"] >= 1 and off["decode_steps"] >= 5
+    assert off["engine_steps"] == off["decode_steps"] + off["prefill_steps"]
+    assert off["moe_layers_per_step"] == _LAYERS
+    # every fed token: 12 prompt + 5 decode per request (the 6th output token is never fed)
+    assert off["token_lookups"] == 4 * (12 + 5) * _K * _LAYERS
+    # a decode batched with another request's prompt chunk makes a prefill (mixed) step
+    decode_pairs = off["token_lookups_host_decode"]
+    assert 0 < decode_pairs <= 4 * 5 * _K * _LAYERS
+    assert off["decode_steps_measured"] == off["decode_steps"]
+    per_step = off["sum_over_requests_per_decode_step"]
+    assert per_step * off["decode_steps"] == pytest.approx(decode_pairs)
+    assert 0 < off["distinct_per_decode_step"] <= off["sum_over_requests_per_decode_step"]
+    assert off["distinct_over_sum"] == off["decode_distinct_over_sum"]
+    assert 0 < off["prefill_distinct_over_lookups"] <= 1
+    if concurrency == 1:  # one request per decode step: its top-k experts are distinct
+        assert off["decode_steps"] == 4 * 5 and decode_pairs == 4 * 5 * _K * _LAYERS
+        assert off["distinct_per_decode_step"] == off["sum_over_requests_per_decode_step"]
+        assert off["distinct_per_decode_step"] == _K * _LAYERS
 
 
 def test_bench_serve_chat_against_running_server(
@@ -137,3 +166,64 @@ def test_metrics_parse_and_summary() -> None:
     )
     assert parse_metrics(page) == {"expert_lookups": 7.0, "device_hits": 5.0, "disk_reads": 2.0}
     assert summarize([], 1.0)["completed"] == 0
+
+
+def test_dedup_from_metrics_pages() -> None:
+    """Step and per-call counters parse by label and turn into per-decode-step figures."""
+
+    def page(steps: int, calls: int, pairs: int, distinct: int) -> str:
+        m = 'model_name="m"'
+        return (
+            "# TYPE moetier:engine_steps counter\n"
+            f'moetier:engine_steps_total{{{m},step="decode"}} {steps}\n'
+            f'moetier:engine_steps_total{{{m},step="prefill"}} 1\n'
+            "# TYPE moetier:moe_layer_calls counter\n"
+            f'moetier:moe_layer_calls_total{{{m},routing="host",step="decode"}} {calls}\n'
+            f'moetier:moe_layer_calls_total{{{m},routing="host",step="prefill"}} 2\n'
+            f'moetier:moe_layer_calls_total{{{m},routing="device",step="decode"}} 0\n'
+            "# TYPE moetier:expert_token_lookups counter\n"
+            f'moetier:expert_token_lookups_total{{{m},routing="host",step="decode"}} {pairs}\n'
+            f'moetier:expert_token_lookups_total{{{m},routing="host",step="prefill"}} 40\n'
+            "# TYPE moetier:expert_distinct_lookups counter\n"
+            f'moetier:expert_distinct_lookups_total{{{m},routing="host",step="decode"}} '
+            f"{distinct}\n"
+            f'moetier:expert_distinct_lookups_total{{{m},routing="host",step="prefill"}} 10\n'
+        )
+
+    before = parse_metrics(page(0, 0, 0, 0))
+    assert before["moe_calls_host_prefill"] == 2 and before["token_lookups_host_prefill"] == 40
+    # 10 decode steps x 2 MoE layers, 4 requests x top-2 per call, 5 distinct per call
+    off = offload_delta(before, parse_metrics(page(10, 20, 160, 100)), 40)
+    assert off is not None
+    assert (off["engine_steps"], off["decode_steps"], off["moe_layers_per_step"]) == (10, 10, 2)
+    assert off["distinct_per_decode_step"] == 10 and off["sum_over_requests_per_decode_step"] == 16
+    assert off["decode_distinct_over_sum"] == 100 / 160
+    assert off["prefill_distinct_over_lookups"] is None  # no prefill step in the delta
+    # all resident: decode calls on the device table, distinct not measured (None, not 0)
+    resident = page(10, 0, 0, 0).replace(
+        'routing="device",step="decode"} 0', 'routing="device",step="decode"} 20'
+    )
+    off = offload_delta(before, parse_metrics(resident), 40)
+    assert off is not None and off["moe_layers_per_step"] == 2
+    assert off["distinct_per_decode_step"] is None and off["decode_distinct_over_sum"] is None
+
+
+def test_random_prompts_without_a_vocabulary_fall_back_to_byte_ids() -> None:
+    """A synthetic checkpoint's tokenizer may load with an empty vocabulary: token-id prompts
+    still work (the H200 serving sweep runs on one); chat prompts need real text."""
+    import pytest
+
+    from moetier.bench.serve_data import sample_random
+    from moetier.errors import ConfigError
+
+    class Empty:
+        all_special_ids: list[int] = []
+
+        def __len__(self) -> int:
+            return 0
+
+    prompts = sample_random(Empty(), 3, 5, 2, seed=0, as_text=False)
+    assert [len(p.prompt) for p in prompts] == [5, 5, 5]  # type: ignore[arg-type]
+    assert all(0 <= t < 256 for p in prompts for t in p.prompt)  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="need a tokenizer"):
+        sample_random(Empty(), 1, 5, 2, seed=0, as_text=True)

@@ -113,15 +113,37 @@ class TraceRouting:
 class OverrideGate(nn.Module):
     """Wraps a router: ids from the override, weights from the real logits at those ids."""
 
+    # Its ids come from the host on every call. A CUDA graph would replay the captured ids
+    # forever: before a graph runs, the engine calls `stage` (engine/graphs.py), which copies
+    # this call's ids into a fixed device buffer that the captured forward reads.
+    host_routing = True
+
     def __init__(self, inner: nn.Module, source: RoutingSource, index: int) -> None:
         super().__init__()
         self.inner = inner
         self.source = source
         self.index = index
+        self.staged: torch.Tensor | None = None  # [T, K] device ids of the staged call
+        self._staging: dict[int, torch.Tensor] = {}  # T -> its fixed device buffer
+
+    def stage(self, num_tokens: int, device: torch.device) -> None:
+        """Draw the next call's ids now, into the fixed buffer for `num_tokens` tokens."""
+        ids = self.source.ids(self.index, num_tokens)  # [T, K]
+        buf = self._staging.get(num_tokens)
+        if buf is None:
+            buf = self._staging[num_tokens] = torch.empty_like(ids, device=device)
+        buf.copy_(ids)
+        self.staged = buf
+
+    def unstage(self) -> None:
+        self.staged = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> ids [T, K] int64, weights [T, K] float32."""
-        ids = self.source.ids(self.index, x.shape[0]).to(x.device)  # [T, K]
+        if self.staged is not None:
+            ids = self.staged
+        else:
+            ids = self.source.ids(self.index, x.shape[0]).to(x.device)  # [T, K]
         weight: torch.Tensor = self.inner.weight  # type: ignore[assignment]
         probs = F.softmax(F.linear(x.float(), weight.float()), dim=-1)  # [T, E]
         w = probs.gather(1, ids)  # [T, K]

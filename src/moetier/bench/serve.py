@@ -39,7 +39,28 @@ _COUNTER_KEYS = {
     "moetier:num_preemptions_total": "preemptions",
     "moetier:generation_tokens_total": "generation_tokens",
     "moetier:prompt_tokens_total": "prompt_tokens",
+    'moetier:engine_steps_total{step="decode"}': "decode_steps",
+    'moetier:engine_steps_total{step="prefill"}': "prefill_steps",
 }
+_STEPS = ("decode", "prefill")
+_ROUTING = ("host", "device")
+
+
+def _moe_call_keys() -> dict[str, str]:
+    """Per MoE layer call counters by routing (host: distinct measured; device: the all-resident
+    table, distinct not measured) and step kind, under the engine's offload_stats() names."""
+    out = {}
+    for step in _STEPS:
+        for routing in _ROUTING:
+            labels = f'{{routing="{routing}",step="{step}"}}'
+            out["moetier:moe_layer_calls_total" + labels] = f"moe_calls_{routing}_{step}"
+            out["moetier:expert_token_lookups_total" + labels] = f"token_lookups_{routing}_{step}"
+        labels = f'{{routing="host",step="{step}"}}'
+        out["moetier:expert_distinct_lookups_total" + labels] = f"distinct_lookups_host_{step}"
+    return out
+
+
+_COUNTER_KEYS.update(_moe_call_keys())
 _GAUGE_KEYS = {
     "moetier:expert_device_slots": "device_slots",
     "moetier:kv_cache_blocks_total": "kv_blocks_total",
@@ -266,22 +287,61 @@ def offload_delta(
         delta["expert_lookups_per_output_token"] = lookups / output_tokens
     if lookups:
         delta["device_hit_rate"] = delta.get("device_hits", 0.0) / lookups
+    if "decode_steps" in delta:
+        delta.update(dedup_per_step(delta))
     return delta
 
 
+def dedup_per_step(c: dict[str, float]) -> dict[str, float | None]:
+    """Distinct experts per decode step (summed over its MoE layers) against the sum over the
+    step's requests of the experts each asked for (top-k per request on a decode step), from
+    the MoE calls routed on the host, the only ones whose distinct experts the server measures
+    (None when there were none, e.g. every expert resident). Prefill's ratio also includes the
+    dedup within each prompt."""
+    steps = c["decode_steps"] + c["prefill_steps"]
+    calls = sum(c.get(f"moe_calls_{r}_{s}", 0.0) for r in _ROUTING for s in _STEPS)
+    out: dict[str, float | None] = {
+        "engine_steps": steps,
+        "moe_layers_per_step": calls / steps if steps else None,
+        "token_lookups": sum(
+            c.get(f"token_lookups_{r}_{s}", 0.0) for r in _ROUTING for s in _STEPS
+        ),
+    }
+    host_calls = c.get("moe_calls_host_decode", 0.0)
+    pairs = c.get("token_lookups_host_decode", 0.0)
+    distinct = c.get("distinct_lookups_host_decode", 0.0)
+    measured = host_calls / (calls / steps) if host_calls and calls else 0.0  # decode steps
+    out["decode_steps_measured"] = measured
+    out["distinct_per_decode_step"] = distinct / measured if measured else None
+    out["sum_over_requests_per_decode_step"] = pairs / measured if measured else None
+    out["decode_distinct_over_sum"] = distinct / pairs if pairs else None
+    prefill_pairs = c.get("token_lookups_host_prefill", 0.0)
+    out["prefill_distinct_over_lookups"] = (
+        c.get("distinct_lookups_host_prefill", 0.0) / prefill_pairs if prefill_pairs else None
+    )
+    return out
+
+
 def add_sharing(levels: list[dict[str, Any]]) -> None:
-    """Distinct expert lookups against the sum over requests, estimated from the concurrency-1
-    level: at concurrency 1 every step serves one request, so its lookups per output token are
-    what each request costs alone (same prompts, same seeded tokens)."""
+    """`distinct_over_sum`: distinct experts against the sum over requests. Measured on decode
+    steps when the server counts them (`decode_distinct_over_sum`); otherwise (an older server,
+    or no decode call routed on the host) estimated from the concurrency-1 level: there every
+    step serves one request, so its lookups per output token are what each request costs alone
+    (same prompts, same seeded tokens)."""
     alone = next((lv for lv in levels if lv["max_concurrency"] == 1 and lv.get("offload")), None)
     per_token = alone["offload"].get("expert_lookups_per_output_token") if alone else None
     for lv in levels:
         off = lv.get("offload")
+        if off and off.get("decode_distinct_over_sum") is not None:
+            off["distinct_over_sum"] = off["decode_distinct_over_sum"]
+            off["distinct_over_sum_source"] = "measured on decode steps"
+            continue
         if not off or not per_token or "expert_lookups" not in off:
             continue
         est_sum = per_token * lv["total_output_tokens"]
         off["est_lookups_sum_over_requests"] = est_sum
         off["distinct_over_sum"] = off["expert_lookups"] / est_sum if est_sum else math.nan
+        off["distinct_over_sum_source"] = "estimated from concurrency 1"
 
 
 async def _arrivals(n: int, rate: float, rng: random.Random) -> Any:
@@ -396,4 +456,30 @@ def serve_table(result: dict[str, Any]) -> str:
             f"| {_f(off.get('distinct_over_sum'), 3)} | {_f(off.get('device_hit_rate'), 3)} "
             f"| {_f(off.get('exposed_fetch_s'), 2)} | {_f(off.get('preemptions'), 0)} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _dedup_table(result["results"]))
+
+
+def _dedup_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Per level: engine steps, distinct experts per decode step against the sum over requests
+    (host-routed MoE calls only; '-' where the server measured none)."""
+    rows = [lv for lv in levels if (lv.get("offload") or {}).get("engine_steps") is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| conc | steps (decode / prefill) | MoE layers / step | distinct experts / decode step "
+        "| sum over requests / decode step | distinct / sum | prefill distinct / lookups |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in rows:
+        off = lv["offload"]
+        lines.append(
+            f"| {lv['max_concurrency']} | {_f(off['engine_steps'], 0)} "
+            f"({_f(off['decode_steps'], 0)} / {_f(off['prefill_steps'], 0)}) "
+            f"| {_f(off.get('moe_layers_per_step'), 0)} "
+            f"| {_f(off.get('distinct_per_decode_step'), 1)} "
+            f"| {_f(off.get('sum_over_requests_per_decode_step'), 1)} "
+            f"| {_f(off.get('decode_distinct_over_sum'), 3)} "
+            f"| {_f(off.get('prefill_distinct_over_lookups'), 3)} |"
+        )
+    return lines

@@ -415,14 +415,27 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
         "(a chunk of k tokens counts k gaps of gap/k); TPOT: (E2E - TTFT) / (output tokens - 1); "
         "all over completed requests of the level.",
     ]
-    if any(lv.get("offload") for lv in results):
+    offload = [lv["offload"] for lv in results if lv.get("offload")]
+    if offload:
         notes.append(
             "expert lookups: the server's moetier:expert_lookups delta over the level (one per "
-            "distinct expert per MoE layer per engine step, prefill included). The sum over "
-            "requests is estimated as concurrency 1's lookups per output token x the level's "
-            "output tokens; /metrics has no engine step counter, so per-step figures are not "
-            "available."
+            "distinct expert per MoE layer per engine step, prefill included)."
         )
+        if all(off.get("decode_distinct_over_sum") is not None for off in offload):
+            notes.append(
+                "distinct / sum over requests: per decode step, the distinct experts fetched "
+                "(moetier:expert_distinct_lookups) against the sum over the step's requests of "
+                "the experts each asked for (moetier:expert_token_lookups), both counted by the "
+                "server on the MoE calls routed on the host; prefill's ratio also includes the "
+                "dedup within each prompt."
+            )
+        else:
+            notes.append(
+                "distinct / sum over requests: estimated on levels where the server measured "
+                "no decode step's distinct experts (an older server, or every expert resident; "
+                "see distinct_over_sum_source) as the level's expert lookups over concurrency "
+                "1's lookups per output token x its output tokens."
+            )
     else:
         notes.append("the server exported no moetier offload counters on /metrics")
     if any(lv["output_len_mismatch"] for lv in results):

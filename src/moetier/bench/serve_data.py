@@ -151,13 +151,14 @@ def sample_random(
     """
     if input_len < 1 or output_len < 1:
         raise ConfigError("--input-len and --output-len must be at least 1")
-    if tokenizer is None:
+    vocab: list[int] = []
+    if tokenizer is not None:
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        vocab = [t for t in range(len(tokenizer)) if t not in special]
+    if not vocab:  # no tokenizer, or one without a vocabulary (synthetic checkpoints)
         if as_text:
             raise ConfigError("random chat prompts need a tokenizer (pass --tokenizer PATH)")
         vocab = list(range(256))
-    else:
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        vocab = [t for t in range(len(tokenizer)) if t not in special]
     rng = random.Random(seed)
     out: list[BenchPrompt] = []
     for _ in range(num_prompts):

@@ -107,11 +107,15 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return self._take_pending()
+        stats = self.runner.stats
+        stats.begin_step(all(s.num_new_tokens == 1 and s.samples for s in batch.scheduled))
         try:
             logits = self.runner.execute(batch)
             sampled = self._sample(batch, logits)
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
             return self._fail(batch.scheduled, exc)
+        finally:
+            stats.end_step()
         return self._update(batch, *sampled)
 
     def _sample(

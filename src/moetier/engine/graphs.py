@@ -1,21 +1,34 @@
-"""CUDA-graph capture and replay of the decode step when no layer needs the host.
+"""CUDA-graph capture and replay of decode steps: whole when no layer needs the host, piecewise
+around the MoE layers' routing when experts are offloaded.
 
 Owns the captured graphs, their static input buffers and the rule for when a step may use them;
 never decides what to schedule or how layers compute (it replays the same model forward).
 
-A decode step qualifies when every scheduled request adds one token and samples, every routed
-expert is resident (the MoE layers look slots up on the device: no routing sync), the slot
-kernel covers the step's (token, expert) pairs, and no routing observer is attached. Graphs are
-keyed by (batch size, history width in KV blocks, rounded up to a power of two) and captured on
-first use: per step the host then does one small copy of token ids, lengths and block tables and
-one replay, instead of launching every kernel of every layer from Python. Anything else (prefill,
-offloaded experts, a capture that fails) runs eagerly, unchanged.
+Whole graphs: a decode step qualifies when every scheduled request adds one token and samples,
+every routed expert is resident (the MoE layers look slots up on the device: no routing sync),
+the slot kernel covers the step's (token, expert) pairs, and no routing observer is attached.
+
+Piecewise graphs (`piecewise_graphs`): with experts offloaded, each MoE layer ends one graph at
+its routing (the sorted top-k ids left in a fixed buffer) and starts the next with its expert
+kernel, which reads slot ids from another fixed buffer. Between two replays the host reads the
+ids (the layer's one routing sync, as in eager), fetches the missing experts exactly as the eager
+path does (`MoEBlock.slot_wave`) and copies the slot ids in. Per layer the host then does one
+sync, its cache decisions and one replay instead of launching every kernel from Python. A step
+qualifies when, on top of the rules above (resident experts aside), every layer's distinct
+experts are sure to fit in the slot pool at once (batch x top-k <= slots).
+
+Graphs are keyed by (batch size, history width in KV blocks, rounded up to a power of two) and
+captured on first use: per step the host does one small copy of token ids, lengths and block
+tables. Anything else (prefill, a capture that fails) runs eagerly, unchanged. A router fed from
+the host (the bench's routing override) is staged before each replay: its ids for this step go
+into a fixed buffer that the captured forward reads.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,38 +44,105 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graphs: list[torch.cuda.CUDAGraph]  # one (whole) or one per MoE layer + 1 (piecewise)
     inputs: torch.Tensor  # [B * (2 + W)] int64: token ids, lengths, block tables (row-major)
     logits: torch.Tensor  # [B, V] float32, written by every replay
+    # piecewise only, per MoE layer call in forward order:
+    blocks: list[Any] = field(default_factory=list)
+    ids: list[torch.Tensor] = field(default_factory=list)  # [B, K] int64 sorted routing ids
+    slots: list[torch.Tensor] = field(default_factory=list)  # [B, K] int32 slot ids, host-set
+
+
+class _Splitter:
+    """Set on every MoE block while a piecewise graph is captured: ends the current graph at
+    the block's routing and captures its expert kernel at the start of the next."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.blocks: list[Any] = []
+        self.ids: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] = []
+
+    def begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool)
+        self.graphs.append(g)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def split(
+        self, block: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        from moetier.kernels.expert_ffn import expert_ffn
+
+        ids, order = ids.sort(dim=-1)  # ascending expert per token, as the eager path
+        weights = weights.gather(1, order)
+        slots = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+        self.blocks.append(block)
+        self.ids.append(ids)
+        self.slots.append(slots)
+        self.end()
+        self.begin()
+        provider = block.provider
+        return expert_ffn(x, provider.pool, slots, weights, provider.intermediate)
+
+
+def graph_safe(blocks: list[Any], pairs: int, piecewise: bool = False) -> bool:
+    """A replayed graph computes what eager would for every MoE block: no host observer of
+    the routing (piecewise graphs give it the ids at each layer's sync), any router fed from the
+    host can be staged, and `pairs` (token, expert) pairs fit the slot kernel."""
+    return all(
+        (piecewise or b.route_observer is None)
+        and (not getattr(b.gate, "host_routing", False) or hasattr(b.gate, "stage"))
+        and pairs <= b.slot_kernel_max_pairs
+        for b in blocks
+    )
 
 
 class DecodeGraphs:
     """Captures the decode forward per (B, W) and replays it for qualifying steps."""
 
-    def __init__(self, runner: Any, max_batch: int = 32) -> None:
+    def __init__(self, runner: Any, max_batch: int = 32, piecewise: bool = False) -> None:
         self.runner = runner
         self.max_batch = max_batch
+        self.piecewise = piecewise
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
-        blocks = runner.model.moe_blocks()
-        self.moe_layers = len(blocks)
+        self.blocks = runner.model.moe_blocks()
+        self.moe_layers = len(self.blocks)
         self.top_k = runner.top_k
+        self.gates: tuple[int, ...] = ()  # identity of the routers the graphs were captured with
+
+    @property
+    def offloaded(self) -> bool:
+        return self.runner.expert_cache.resident_table is None
 
     def qualifies(self, batch: SchedulerOutput) -> bool:
         sched = batch.scheduled
         if not sched or len(sched) > self.max_batch:
             return False
-        if self.runner.expert_cache.resident_table is None:
+        pairs = len(sched) * self.top_k
+        # piecewise: every layer's distinct experts must fit the slot pool in one wave
+        if self.offloaded and (not self.piecewise or pairs > self.runner.expert_cache.max_batch):
             return False
-        for b in self.runner.model.moe_blocks():
-            if b.route_observer is not None or len(sched) * self.top_k > b.slot_kernel_max_pairs:
-                return False
+        if not graph_safe(self.blocks, pairs, piecewise=self.offloaded):
+            return False
         return all(s.num_new_tokens == 1 and s.samples for s in sched)
 
     def run(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Logits [B, V] of a qualifying decode step from a graph replay; None = run eagerly."""
+        """Logits [B, V] of a qualifying decode step from graph replays; None = run eagerly."""
+        gates = tuple(id(b.gate) for b in self.blocks)
+        if gates != self.gates:  # a router was swapped (the bench's override): recapture
+            self.graphs.clear()
+            self.failed.clear()
+            self.gates = gates
+            # a fresh memory pool: capturing into the dropped graphs' pool trips an allocator
+            # assert (use count 0) in torch 2.11
+            self.pool = torch.cuda.graph_pool_handle()
         blocks = self.runner.kv_cache.blocks
         lens, tables = [], []
         for s in batch.scheduled:
@@ -78,17 +158,60 @@ class DecodeGraphs:
         for t in tables:
             flat.extend(t[: key[1]] + [0] * (key[1] - len(t[: key[1]])))
         host = torch.tensor(flat, dtype=torch.long)
+        staged = [b.gate for b in self.blocks if hasattr(b.gate, "stage")]
+        for gate in staged:  # this step's ids of routers fed from the host
+            gate.stage(key[0], self.runner.device)
         g = self.graphs.get(key)
         if g is None:
             g = self._capture(key, host)
             if g is None:
-                return None
-        else:
+                return None  # the eager step reads the staged ids; the runner unstages them
+        try:
             g.inputs.copy_(host, non_blocking=True)
-            g.graph.replay()
+            if g.blocks:
+                self._replay_pieces(g, key[0])
+            else:
+                g.graphs[0].replay()
+                self.runner.stats.count_device_calls(
+                    key[0] * self.top_k * self.moe_layers, self.moe_layers
+                )
+        finally:
+            for gate in staged:
+                gate.unstage()
         self.replays += 1
-        self.runner.stats.resident_lookups += key[0] * self.top_k * self.moe_layers
         return g.logits.clone()  # the pool is shared: detach the result from the next replay
+
+    def unstage(self) -> None:
+        """After an eager step: routers fed from the host draw their ids per call again."""
+        for b in self.blocks:
+            if hasattr(b.gate, "unstage"):
+                b.gate.unstage()
+
+    def _replay_pieces(self, g: _Graph, b: int) -> None:
+        """Replay the pieces; between two, the host does a MoE layer's routing sync and fetch."""
+        provider = self.runner.expert_cache
+        pending = None  # the previous layer's fetched experts, released once its kernel is queued
+        try:
+            for i, graph in enumerate(g.graphs):
+                graph.replay()
+                if pending is not None:
+                    provider.release(pending)
+                    pending = None
+                if i == len(g.blocks):
+                    break
+                block = g.blocks[i]
+                t0 = time.perf_counter()
+                host_ids = g.ids[i].flatten().tolist()  # the layer's one routing sync
+                provider.count_routing_sync(time.perf_counter() - t0)
+                if block.route_observer is not None:
+                    block.route_observer(block.layer, host_ids, self.top_k)
+                wave = block.slot_wave(host_ids, self.top_k, provider)
+                assert wave is not None, "qualifies() checked that a step's experts fit"
+                pending, slots = wave
+                g.slots[i].copy_(slots, non_blocking=True)
+        finally:
+            if pending is not None:
+                provider.release(pending)
 
     def _forward(self, inputs: torch.Tensor, b: int, w: int) -> torch.Tensor:
         """The decode forward over static `inputs`; everything derived on the device."""
@@ -115,30 +238,70 @@ class DecodeGraphs:
         return self.runner.model.compute_logits(hidden)  # [B, V]
 
     def _capture(self, key: tuple[int, int], host: torch.Tensor) -> _Graph | None:
+        """Capture the step's graph(s); nothing is computed (the caller replays them)."""
         b, w = key
         device = self.runner.device
         inputs = host.to(device)
-        lookups = self.runner.stats.resident_lookups  # the two forwards below count nothing
+        counts = self.runner.stats.save_counts()  # the forwards below count nothing
+        splitter = _Splitter(self.pool) if self.offloaded else None
         try:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it computes
-            # this very step, so the K/V it writes are the ones the replay writes again.
+            # this very step eagerly (fetching what it misses), so the K/V it writes are the
+            # ones the replay writes again.
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 self._forward(inputs, b, w)
             torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(inputs, b, w)
+            if splitter is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self._forward(inputs, b, w)
+                g = _Graph([graph], inputs, logits)
+            else:
+                g = self._capture_pieces(splitter, inputs, b, w)
         except RuntimeError as exc:
-            log.warning("decode step for batch %d, width %d runs eagerly: capture failed (%s)",
-                        b, w, str(exc).splitlines()[0])
+            log.warning(
+                "decode step for batch %d, width %d runs eagerly: capture failed (%s)",
+                b,
+                w,
+                str(exc).splitlines()[0],
+            )
             self.failed.add(key)
             torch.cuda.synchronize(device)
+            self.runner.stats.restore_counts(counts)  # the eager run of this step counts it
             return None
-        self.runner.stats.resident_lookups = lookups
-        graph.replay()
-        g = _Graph(graph, inputs, logits)
+        finally:
+            for block in self.blocks:
+                block.splitter = None
+        self.runner.stats.restore_counts(counts)
         self.graphs[key] = g
-        log.info("captured decode graph: batch %d, %d KV blocks wide", b, w)
+        log.info(
+            "captured decode graph%s: batch %d, %d KV blocks wide",
+            f" in {len(g.graphs)} pieces" if g.blocks else "",
+            b,
+            w,
+        )
         return g
+
+    def _capture_pieces(self, splitter: _Splitter, inputs: torch.Tensor, b: int, w: int) -> _Graph:
+        device = self.runner.device
+        for block in self.blocks:
+            block.splitter = splitter
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            splitter.begin()
+            try:
+                logits = self._forward(inputs, b, w)
+            finally:
+                splitter.end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if len(splitter.blocks) != self.moe_layers:
+            raise RuntimeError(
+                f"piecewise capture split at {len(splitter.blocks)} of {self.moe_layers} MoE layers"
+            )
+        return _Graph(
+            splitter.graphs, inputs, logits, splitter.blocks, splitter.ids, splitter.slots
+        )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from moetier.config import EngineConfig
+from moetier.device_memory import allocate
 from moetier.engine.batch import SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache
@@ -98,6 +99,21 @@ def load_generation_config(model_dir: Path) -> Any | None:
         return None
 
 
+_NON_EXPERT_FIX = (
+    "These stay on the device whatever the budgets: free the memory other processes hold, "
+    "pick a smaller --dtype (bfloat16), or use a device with more memory."
+)
+
+
+def _non_expert_bytes(family: Any, hf_config: Any, dtype: torch.dtype) -> int:
+    """Bytes of the model's own tensors (everything but routed experts), counted on meta."""
+    with torch.device("meta"):
+        model = family.build(hf_config)
+    size = torch.empty((), dtype=dtype).element_size()
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
 class ModelRunner:
     """Runs the model over a flattened batch of scheduled tokens."""
 
@@ -112,8 +128,15 @@ class ModelRunner:
         layout = ExpertLayout(
             self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts
         )
-        self.model = build_model(
-            family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.model = allocate(
+            self.device,
+            lambda: build_model(
+                family, self.hf_config, self.checkpoint, self.device, self.dtype, config.progress
+            ),
+            f"the non-expert weights of {self.model_dir} in {dtype_name}",
+            lambda: _non_expert_bytes(family, self.hf_config, self.dtype),
+            lambda _: _NON_EXPERT_FIX,
         )
         self.stats = OffloadStats()
         self.expert_cache: ExpertCache
@@ -151,7 +174,7 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -185,7 +208,11 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         kv_batch = self.kv_cache.build_batch(kv_spans, len(ids))
         ctx = ForwardContext(spans, pos, self.kv_cache, kv_batch)
-        hidden = self.model(input_ids, ctx)  # [T, D]
+        try:
+            hidden = self.model(input_ids, ctx)  # [T, D]
+        finally:
+            if self.graphs is not None:  # a failed capture left this step's routing staged
+                self.graphs.unstage()
         rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])  # [N, V]
 

@@ -60,6 +60,9 @@ class MoEBlock(nn.Module):
         # Called at the layer's routing sync with (layer, flat host expert ids [T*K], K); the
         # bench's trace recorder attaches here. None = nothing observes routing.
         self.route_observer: Callable[[int, list[int], int], None] | None = None
+        # Set only while a piecewise CUDA graph is captured (engine/graphs.py): the layer ends
+        # the graph at its routing and computes its experts in the next one.
+        self.splitter: Any = None
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -67,14 +70,14 @@ class MoEBlock(nn.Module):
             weights = weights.to(x.dtype)
         provider = self.provider
         assert provider is not None, "expert provider not attached"
-        kernel = (
-            0 < ids.numel() <= self.slot_kernel_max_pairs
-            and self.act_name == "silu"
-            and self.route_observer is None
-        )
-        if kernel and provider.resident_table is not None:
+        kernel = 0 < ids.numel() <= self.slot_kernel_max_pairs and self.act_name == "silu"
+        if kernel and self.splitter is not None:
+            out: torch.Tensor = self.splitter.split(self, x, ids, weights)
+            return out
+        if kernel and provider.resident_table is not None and self.route_observer is None:
             # Every expert is resident: the slot of (layer, expert) is a device table lookup and
-            # the host decides nothing, so this layer adds no host sync.
+            # the host decides nothing, so this layer adds no host sync. (An observer needs the
+            # ids on the host: it takes the synced path below, with the same kernel.)
             ids, order = ids.sort(dim=-1)  # ascending expert per token, as the reference adds
             slots = provider.resident_table[self.layer][ids]  # [T, K]
             provider.count_resident(ids.numel())
@@ -89,32 +92,12 @@ class MoEBlock(nn.Module):
         provider.count_routing_sync(time.perf_counter() - t0)
         if self.route_observer is not None:
             self.route_observer(self.layer, flat.tolist(), k)
-        if kernel:
-            out = self._slot_kernel(x, ids, weights, flat.tolist(), provider)
-            if out is not None:
-                return out
-        return self._waves(x, ids, weights, flat, provider)
-
-    def _slot_kernel(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        host_ids: list[int],
-        provider: ExpertProvider,
-    ) -> torch.Tensor | None:
-        """All of the step's experts in one wave, computed by the slot-reading kernel; None when
-        they do not fit in the slot pool at once (the caller then computes in waves)."""
-        experts = sorted(set(host_ids))
-        if len(experts) > provider.max_batch:
-            return None
-        batch = provider.fetch(self.layer, experts)
+        wave = self.slot_wave(flat.tolist(), k, provider) if kernel else None
+        if wave is None:
+            return self._waves(x, ids, weights, flat, provider)
+        batch, slots = wave
         try:  # a raising step must still hand its slots back (the engine keeps serving)
-            slot_of = dict(zip(batch.experts, batch.slots))
-            k = ids.shape[1]
-            rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
-            slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
-            _, order = ids.sort(dim=-1)  # ascending expert per token, matching `rows`
+            _, order = ids.sort(dim=-1)  # ascending expert per token, matching the slot rows
             return expert_ffn(
                 x,
                 batch.pool,
@@ -124,6 +107,27 @@ class MoEBlock(nn.Module):
             )
         finally:
             provider.release(batch)
+
+    def slot_wave(
+        self, host_ids: list[int], k: int, provider: ExpertProvider
+    ) -> tuple[ExpertBatch, torch.Tensor] | None:
+        """Host half of the slot-kernel path: fetch the call's distinct experts in one wave and
+        give each token's experts their slots, ascending expert per row ([T, K] int32, CPU).
+        None when they do not fit in the slot pool at once (the caller computes in waves). The
+        caller releases the batch once the kernel that reads the slots is queued."""
+        experts = sorted(set(host_ids))
+        if len(experts) > provider.max_batch:
+            return None
+        provider.count_routed(len(host_ids), len(experts))
+        batch = provider.fetch(self.layer, experts)
+        try:
+            slot_of = dict(zip(batch.experts, batch.slots))
+            rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
+            slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
+        except BaseException:
+            provider.release(batch)
+            raise
+        return batch, slots
 
     def _waves(
         self,
@@ -139,6 +143,7 @@ class MoEBlock(nn.Module):
         order = torch.argsort(flat, stable=True)  # token-major slots grouped by expert
         counts = torch.bincount(flat, minlength=1).tolist()
         experts = [e for e, c in enumerate(counts) if c]
+        provider.count_routed(flat.numel(), len(experts))
         offsets = [0]
         for e in range(len(counts)):
             offsets.append(offsets[-1] + counts[e])

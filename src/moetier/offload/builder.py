@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moetier.config import OffloadConfig, format_bytes, parse_budget
+from moetier.device_memory import allocate
 from moetier.errors import BudgetError
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.stats import OffloadStats
@@ -69,10 +70,22 @@ def build_tiers(
     plan = plan_tiers(layout, cfg, dtype, top_k, device)
     pin = cfg.pin_host_memory and device.type == "cuda"
     host = HostTier(layout, plan.host_rows, dtype, pin, stats, progress)
-    cache = ExpertCache(host, layout.shape, plan.device_slots, device, dtype, stats, cfg.policy)
+
+    def place() -> ExpertCache:
+        cache = ExpertCache(host, layout.shape, plan.device_slots, device, dtype, stats, cfg.policy)
+        if plan.device_slots == plan.total_experts:
+            _preload_all(cache, layout, progress)
+            cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
+        return cache
+
+    cache = allocate(
+        device,
+        place,
+        f"{plan.device_slots} expert slots of {format_bytes(plan.expert_bytes)}",
+        lambda: plan.device_slots * plan.expert_bytes,
+        lambda free_total: _lower_budget(cfg, plan, free_total),
+    )
     if plan.device_slots == plan.total_experts:
-        _preload_all(cache, layout, progress)
-        cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         stats.reset()
     log.info(
         "expert tiers: %d/%d experts in device slots (%s), %d in host RAM, %s routed in all",
@@ -95,3 +108,17 @@ def _preload_all(cache: ExpertCache, layout: ExpertLayout, progress: bool) -> No
     if cache.cuda:
         torch.cuda.synchronize(cache.device)
     assert all(ExpertKey(la, 0) in cache.slot_of for la in layout.layers)
+
+
+def _lower_budget(cfg: OffloadConfig, plan: TierPlan, free_total: tuple[int, int] | None) -> str:
+    """What to do when the slot pool does not fit: the expert budget to lower, and to what."""
+    budget = "all experts (the default)" if cfg.expert_budget is None else repr(cfg.expert_budget)
+    text = f"Lower --expert-budget (LLM(expert_budget=...)), now {budget}"
+    asked = plan.device_slots * plan.expert_bytes
+    if free_total is not None and free_total[0] < asked:
+        share = 100 * free_total[0] / plan.routed_bytes
+        text += (
+            f", below the free memory: at most {format_bytes(free_total[0])} "
+            f"({share:.0f}% of the {format_bytes(plan.routed_bytes)} of routed experts)"
+        )
+    return text + ", and leave room for the KV cache (--num-kv-blocks) and activations."

@@ -59,7 +59,10 @@ class ExpertCache:
         return self._resident_table
 
     def count_resident(self, pairs: int) -> None:
-        self.stats.resident_lookups += pairs
+        self.stats.count_device_calls(pairs)
+
+    def count_routed(self, pairs: int, distinct: int) -> None:
+        self.stats.count_host_call(pairs, distinct)
 
     def count_routing_sync(self, seconds: float) -> None:
         self.stats.routing_sync_s += seconds

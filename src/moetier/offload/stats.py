@@ -5,9 +5,12 @@ Plain Python; metrics export and CLI summaries read `OffloadStats.to_dict()`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+_ROUTING = ("host", "device")
+_KINDS = ("decode", "prefill")
 
 
 @dataclass
@@ -32,7 +35,69 @@ class OffloadStats:
     # with misses, the sync also drains the GPU queue, so launch time is no longer hidden.
     miss_host_s: float = 0.0
     routing_sync_s: float = 0.0
+    # Engine steps by kind: decode = every scheduled request adds one token and samples (the
+    # rule of the CUDA-graph path); prefill = any prompt chunk, with or without decodes.
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    # MoE layer calls and their (token, expert) pairs before the per-step dedup across the batch
+    # (the sum over the step's requests of the experts each asked for), by the kind of step and
+    # by where routing was resolved. host: the routing ids went to the host (the layer's one
+    # sync), so the call's distinct experts are known and counted too. device: the all-resident
+    # slot table, no sync; the distinct count is not measured there (it would need a sync).
+    moe_calls_host_decode: int = 0
+    moe_calls_host_prefill: int = 0
+    moe_calls_device_decode: int = 0
+    moe_calls_device_prefill: int = 0
+    token_lookups_host_decode: int = 0
+    token_lookups_host_prefill: int = 0
+    token_lookups_device_decode: int = 0
+    token_lookups_device_prefill: int = 0
+    distinct_lookups_host_decode: int = 0
+    distinct_lookups_host_prefill: int = 0
+    _decode: bool = False  # the kind of the engine step in progress (prefill outside steps)
     _pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def begin_step(self, decode: bool) -> None:
+        """An engine step starts; MoE layer calls until `end_step` count under its kind."""
+        self._decode = decode
+        if decode:
+            self.decode_steps += 1
+        else:
+            self.prefill_steps += 1
+
+    def end_step(self) -> None:
+        self._decode = False
+
+    def count_host_call(self, pairs: int, distinct: int) -> None:
+        """One MoE layer call routed on the host: `pairs` (token, expert) lookups asked for,
+        `distinct` experts after the dedup. Integer adds only: it runs once per layer call."""
+        if self._decode:
+            self.moe_calls_host_decode += 1
+            self.token_lookups_host_decode += pairs
+            self.distinct_lookups_host_decode += distinct
+        else:
+            self.moe_calls_host_prefill += 1
+            self.token_lookups_host_prefill += pairs
+            self.distinct_lookups_host_prefill += distinct
+
+    def count_device_calls(self, pairs: int, calls: int = 1) -> None:
+        """`calls` MoE layer calls served by the resident device table (a CUDA-graph replay
+        counts all its layers at once): `pairs` (token, expert) lookups, no host decision."""
+        self.resident_lookups += pairs
+        if self._decode:
+            self.moe_calls_device_decode += calls
+            self.token_lookups_device_decode += pairs
+        else:
+            self.moe_calls_device_prefill += calls
+            self.token_lookups_device_prefill += pairs
+
+    def save_counts(self) -> dict[str, int | float]:
+        """Every counter's value, for `restore_counts` (graph capture runs uncounted forwards)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    def restore_counts(self, saved: dict[str, int | float]) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
 
     def add_exposed_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """Record a CUDA wait measured by two compute-stream events; resolved lazily."""
@@ -62,4 +127,7 @@ class OffloadStats:
         )
         out["host_hit_rate"] = self.host_hits / lookups
         out["disk_read_rate"] = self.disk_reads / lookups
+        out["engine_steps"] = self.decode_steps + self.prefill_steps
+        out["moe_calls"] = sum(out[f"moe_calls_{r}_{k}"] for r in _ROUTING for k in _KINDS)
+        out["token_lookups"] = sum(out[f"token_lookups_{r}_{k}"] for r in _ROUTING for k in _KINDS)
         return out

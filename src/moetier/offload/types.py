@@ -75,7 +75,12 @@ class ExpertProvider(Protocol):
         ...
 
     def count_resident(self, pairs: int) -> None:
-        """Count `pairs` (token, expert) lookups served by `resident_table`."""
+        """Count one layer call: `pairs` (token, expert) lookups served by `resident_table`."""
+        ...
+
+    def count_routed(self, pairs: int, distinct: int) -> None:
+        """Count one layer call routed on the host: `pairs` (token, expert) lookups asked for,
+        `distinct` experts after the dedup across the step's batch."""
         ...
 
     def count_routing_sync(self, seconds: float) -> None:

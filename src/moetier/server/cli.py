@@ -6,9 +6,12 @@ Refuses a non-loopback bind without an API key unless told to knowingly; never l
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,9 @@ from moetier.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _PUBLIC_FLAG = "--allow-public-without-key"
+# Once the shutdown grace period is over, in-flight requests get their final error event (or 503)
+# and this long to send it; uvicorn then cancels whatever is still running.
+_FLUSH_S = 5.0
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,7 +52,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may finish")  # fmt: skip
+                   help="on SIGTERM, how long in-flight requests may finish before they end "
+                   "with an error event (streams) or a 503")  # fmt: skip
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -100,15 +107,41 @@ def _graceful_server_class() -> Any:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):  # type: ignore[misc]
-        """SIGTERM/SIGINT stop accepting, let in-flight requests finish (up to the grace
-        period), then return, so the engine is shut down and the process exits 0; uvicorn
-        would otherwise re-raise the signal after its own shutdown."""
+        """SIGTERM/SIGINT stop accepting and let in-flight requests finish for `grace_s`; then
+        `on_grace_over()` ends the rest (each gets a final error event or a 503) and they have
+        _FLUSH_S to send it. Then `run` returns, so the engine is shut down and the process
+        exits 0; uvicorn would otherwise re-raise the signal after its own shutdown."""
+
+        def __init__(
+            self, config: uvicorn.Config, grace_s: float, on_grace_over: Callable[[], None]
+        ) -> None:
+            config.timeout_graceful_shutdown = math.ceil(grace_s + _FLUSH_S)
+            super().__init__(config)
+            self.grace_s, self.on_grace_over = grace_s, on_grace_over
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(self.grace_s, self.on_grace_over)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     return GracefulServer
+
+
+def _end_in_flight(client: Any, grace_s: float) -> None:
+    """The grace period is over: end what is still running with an error the client sees."""
+    message = (
+        f"server shutting down: the request did not finish within the {grace_s:g} s "
+        f"shutdown grace period (--shutdown-grace-s)"
+    )
+    ended = client.end_all(message)
+    if ended:
+        log.warning("shutdown grace period over: ended %d in-flight request(s)", ended)
 
 
 def _engine_args(args: argparse.Namespace) -> Any:
@@ -166,9 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=args.shutdown_grace_s,
         )
-        server_cls(config).run()
+        grace = args.shutdown_grace_s
+        server_cls(config, grace, lambda: _end_in_flight(client, grace)).run()
     finally:
         client.shutdown()
     return 0

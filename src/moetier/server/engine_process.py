@@ -74,6 +74,15 @@ class Rejected:
 
 
 @dataclass
+class Unavailable:
+    """The server ended the request before the engine finished it (shutdown grace period over):
+    the server answers 503."""
+
+    request_id: int
+    message: str
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -171,9 +180,12 @@ def _handle(eng: Any, cmd: Any, out_q: Any) -> None:
         out_q.put(("check", cmd.token, error, eng.stats()))
 
 
+StreamEvent = RequestDelta | Rejected | Unavailable
+
+
 @dataclass
 class _Stream:
-    queue: asyncio.Queue[tuple[int, RequestDelta | Rejected]]
+    queue: asyncio.Queue[tuple[int, StreamEvent]]
     index: int
 
 
@@ -289,7 +301,7 @@ class EngineClient:
         request_id: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        out: asyncio.Queue[tuple[int, RequestDelta | Rejected]],
+        out: asyncio.Queue[tuple[int, StreamEvent]],
         index: int,
         logprobs: int | None = None,
     ) -> None:
@@ -300,6 +312,16 @@ class EngineClient:
         """Abort if still unfinished (the engine frees its KV blocks); a no-op otherwise."""
         if self.streams.pop(request_id, None) is not None:
             self.cmd_q.put(Abort(request_id))
+
+    def end_all(self, message: str) -> int:
+        """End every in-flight request now with `message` (the server answers 503) and abort it
+        in the engine; the number ended. For the end of the shutdown grace period."""
+        streams = list(self.streams.items())
+        self.streams.clear()
+        for rid, stream in streams:
+            stream.queue.put_nowait((stream.index, Unavailable(rid, message)))
+            self.cmd_q.put(Abort(rid))
+        return len(streams)
 
     @property
     def in_flight(self) -> int:

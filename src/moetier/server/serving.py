@@ -22,7 +22,7 @@ from moetier.engine.outputs import RequestDelta, TokenLogprob
 from moetier.errors import ConfigError
 from moetier.metrics import ServerMetrics
 from moetier.server.app import APIError, ServerSettings
-from moetier.server.engine_process import EngineClient, Rejected
+from moetier.server.engine_process import EngineClient, Rejected, StreamEvent, Unavailable
 from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -37,7 +37,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    rejected: bool = False
+    status: int = 500  # with `error`: 400 rejected at admission, 503 ended by shutdown
     last_t: float | None = None
 
 
@@ -48,7 +48,7 @@ class _Job:
     arrival: float
     prompts: list[list[int]]
     choices: list[_Choice]
-    queue: asyncio.Queue[tuple[int, RequestDelta | Rejected]]
+    queue: asyncio.Queue[tuple[int, StreamEvent]]
     chat: bool
     want_logprobs: bool
 
@@ -219,7 +219,7 @@ class Serving:
         if self.client.dead:
             raise APIError(503, self.client.dead, "server_error")
         prefix = "chatcmpl" if chat else "cmpl"
-        queue: asyncio.Queue[tuple[int, RequestDelta | Rejected]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         job = _Job(
             f"{prefix}-{uuid.uuid4().hex}",
             int(time.time()),
@@ -244,17 +244,20 @@ class Serving:
 
     # ---- relaying engine output
 
-    async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestDelta | Rejected]]:
+    async def _events(self, job: _Job) -> AsyncIterator[tuple[int, StreamEvent]]:
         while not job.done:
             index, ev = await job.queue.get()
             self._record(job, job.choices[index], ev)
             yield index, ev
 
-    def _record(self, job: _Job, c: _Choice, ev: RequestDelta | Rejected) -> None:
+    def _record(self, job: _Job, c: _Choice, ev: StreamEvent) -> None:
         now = time.monotonic()
         if isinstance(ev, Rejected):
-            c.finish_reason, c.error, c.rejected = "error", ev.message, True
+            c.finish_reason, c.error, c.status = "error", ev.message, 400
             self.metrics.observe_rejected(400)
+            return
+        if isinstance(ev, Unavailable):
+            c.finish_reason, c.error, c.status = "error", ev.message, 503
             return
         if ev.token_ids:
             since = now - (c.last_t if c.last_t is not None else job.arrival)
@@ -295,9 +298,8 @@ class Serving:
         failed = [c for c in job.choices if c.error]
         if failed:
             c = failed[0]
-            if c.rejected:
-                return APIError(400, c.error or "rejected").response()
-            return APIError(500, c.error or "engine error", "server_error").response()
+            kind = "invalid_request_error" if c.status < 500 else "server_error"
+            return APIError(c.status, c.error or "engine error", kind).response()
         choices = []
         for i, c in enumerate(job.choices):
             choice: dict[str, Any] = {"index": i}
@@ -345,8 +347,8 @@ class Serving:
         async for index, ev in self._events(job):
             c = job.choices[index]
             if c.error:
-                kind = "invalid_request_error" if c.rejected else "server_error"
-                yield _sse(error_body(c.error, kind, None, "400" if c.rejected else "500"))
+                kind = "invalid_request_error" if c.status < 500 else "server_error"
+                yield _sse(error_body(c.error, kind, None, str(c.status)))
                 self._abort(job)
                 yield "data: [DONE]\n\n"
                 return

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One device call that checks and measures a session's work, from the repo root on the GPU
+# machine, in priority order (each step logs and the script goes on when one fails; no step
+# starts within 30 s of DEADLINE seconds):
+#   1. the GPU test suite (tests/gpu);
+#   2. the serving sweep: `bench serve` on the Qwen3-30B-A3B shape cut to SERVE_LAYERS layers,
+#      25 % expert budget, 1 / 4 / 16 concurrent streams, SERVE_OUTPUT tokens each (needs the
+#      server wheels in .whl-server: see ../.library/device/README.md);
+#   3. DeepSeek-V2-Lite (27 layers) `bench latency` at 100 / 25 %, uniform and trace routing,
+#      today's defaults (piecewise graphs); with PREFETCH=<predictor> the same with prefetch;
+#      then 10 % with offloaded steps eager (piecewise_graphs=false).
+# Results under $OUT: gpu_tests.log, summary.md, session-results.tar.gz, gpu_session.log.
+set -uo pipefail
+START=$SECONDS
+OUT=${OUT:-gpu-results}
+WORK="$OUT/session"
+mkdir -p "$WORK"
+export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+export PYTHONUNBUFFERED=1
+export MOETIER_HOME=${MOETIER_HOME:-/tmp/moetier-bench-home}
+DEADLINE=${DEADLINE:-570}
+SERVE_LAYERS=${SERVE_LAYERS:-12}
+SERVE_OUTPUT=${SERVE_OUTPUT:-32}
+PREFETCH=${PREFETCH:-}
+TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
+LOG="$OUT/gpu_session.log"
+log() { echo "[gpu_session $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+step() {
+  local name=$1 budget=$((DEADLINE - (SECONDS - START)))
+  shift
+  if [ "$budget" -lt 30 ]; then log "skip $name: $budget s left"; return 1; fi
+  log "start $name (limit ${budget}s)"
+  timeout -k 10 "$budget" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  log "end $name: rc=$rc"
+  tail -n 4 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$LOG"
+  return $rc
+}
+latency() {  # NAME SHAPE_ARGS... -- BENCH_ARGS...
+  local name=$1
+  shift
+  step "$name" python3 -m moetier -v bench latency --input-len 64 --output-len 32 --seed 0 \
+    --warmup 1 --no-progress --save-result "$WORK/$name.json" "$@"
+  [ -f "$WORK/$name.json" ] && python3 - "$WORK/$name.json" >"$WORK/$name.md" <<'PY'
+import json, sys
+from moetier.bench.report import latency_table
+print(latency_table(json.load(open(sys.argv[1]))))
+PY
+}
+
+log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+cp "$WORK/gpu-tests.log" "$OUT/gpu_tests.log" 2>/dev/null
+
+if ls .whl-server/fastapi-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl-server/fastapi-*.whl .whl-server/starlette-*.whl .whl-server/uvicorn-*.whl \
+    .whl-server/pydantic-2*.whl .whl-server/pydantic_core-*cp312*.whl \
+    .whl-server/annotated_types-*.whl .whl-server/typing_inspection-*.whl \
+    .whl-server/typing_extensions-*.whl >>"$LOG" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  if step q3-generate python3 -m moetier bench synthetic qwen3-30b-a3b --layers "$SERVE_LAYERS" \
+      --seed 0; then
+    Q3=$(ls -d "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-L"$SERVE_LAYERS"-s0 | head -n 1)
+    step serve-sweep python3 -m moetier bench serve --model "$Q3" --expert-budget 25% \
+      --dtype bfloat16 --dataset random --input-len 128 --output-len "$SERVE_OUTPUT" \
+      --num-prompts 16 --max-concurrency 1,4,16 --temperature 0 --seed 0 --server-timeout 240 \
+      --server-log "$WORK/serve-server.log" --save-result "$WORK/serve-sweep.json" --no-progress
+  fi
+else
+  log "no .whl-server wheels: serving sweep skipped"
+fi
+
+DS=(--synthetic deepseek-v2-lite)
+if step ds-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
+  latency ds-25 "${DS[@]}" --expert-budget 100%,25% --routing "uniform,trace:$TRACE"
+  [ -n "$PREFETCH" ] && latency ds-25-prefetch "${DS[@]}" --expert-budget 100%,25% \
+    --routing "uniform,trace:$TRACE" --set "prefetch=$PREFETCH"
+  latency ds-eager "${DS[@]}" --expert-budget 10% --routing "uniform,trace:$TRACE" \
+    --set "piecewise_graphs=false"
+fi
+
+{
+  echo "# gpu_session $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
+  for md in "$WORK"/*.md; do
+    [ -f "$md" ] || continue
+    echo; echo "## $(basename "$md" .md)"; echo; cat "$md"
+  done
+} >"$OUT/summary.md"
+tar czf "$OUT/session-results.tar.gz" -C "$OUT" session && rm -rf "$WORK"
+log "done"
