@@ -1,5 +1,5 @@
-"""Greedy tokens and logits equal transformers' with each layer-aware slot policy at the minimum
-expert budget (every layer call evicts), on two families."""
+"""Greedy tokens and logits equal transformers' with each layer-aware slot policy (and the
+activation-aware one) at the minimum expert budget (every layer call evicts), on two families."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.models.families import FAMILIES
 from tests.models.parity import check_parity, min_budget
 
 
-@pytest.mark.parametrize("policy", ["lfru", "least-stale"])
+@pytest.mark.parametrize("policy", ["lfru", "least-stale", "activation"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_parity_with_policy(family: str, policy: str, tmp_path: Path) -> None:
     ckpt = FAMILIES[family].checkpoint(tmp_path / family)

@@ -37,7 +37,7 @@ def test_parity_with_same_index_prefetch(family: str, tmp_path: Path) -> None:
     assert stats["prefetches_used"] <= stats["prefetches_issued"]
 
 
-@pytest.mark.parametrize("predictor", ["activation", "gate-lookahead"])
+@pytest.mark.parametrize("predictor", ["last-call", "activation", "gate-lookahead"])
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
 def test_parity_with_predictors(family: str, predictor: str, tmp_path: Path) -> None:
     ckpt = FAMILIES[family].checkpoint(tmp_path / family)

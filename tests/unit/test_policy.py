@@ -5,6 +5,7 @@ import random
 import pytest
 
 from moetier.errors import ConfigError
+from moetier.offload.activation import ActivationPolicy
 from moetier.offload.policy import (
     POLICIES,
     LeastStalePolicy,
@@ -137,5 +138,55 @@ def test_every_policy_victim_is_resident_not_excluded_and_first_in_order(name: s
 
 
 def test_unknown_policy_lists_choices() -> None:
-    with pytest.raises(ConfigError, match="least-stale, lfru, lfu, lru"):
+    with pytest.raises(ConfigError, match="activation, least-stale, lfru, lfu, lru"):
         make_policy("belady")
+
+
+def _act(p: ActivationPolicy, layer: int, hits: list[int], loads: list[int], req: int = 0) -> None:
+    """One call of `layer` by one token of request `req` (routing given, as the replay does)."""
+    ids = sorted(hits + loads)
+    p.begin_call(layer, ids, [req], [ids])
+    for e in hits:
+        p.touch((layer, e))
+    for e in loads:
+        p.insert((layer, e))
+
+
+def test_activation_learns_use_probabilities_and_weighs_layer_distance() -> None:
+    p = ActivationPolicy()
+    prob = p.probability
+    _act(p, 0, [], [0])
+    _act(p, 1, [], [0])
+    # Nothing learned yet: every key at the 0.1 prior. Layer 1 ran last, so its key's next
+    # call is 2 layer calls away against 1 for layer 0's: p / distance puts (1, 0) first.
+    assert [prob(k) for k in [(0, 0), (1, 0)]] == [0.1, 0.1]
+    assert p.order() == [(1, 0), (0, 0)]
+    _act(p, 0, [0], [1])
+    # Layer 0's call taught: the cell (0, 0) sat in (used 1 step ago, count ~1, need 1/9) was
+    # used again, 1 of 1, so its age bucket says (1 + 0.1) / (1 + 1) = 0.55. (0, 0) is in a cell
+    # not seen yet (count ~2, need 0.2): it gets its age bucket's 0.55; (0, 1) is in the cell
+    # just learned: (1 + 0.55) / (1 + 1) = 0.775. (1, 0) keeps 0.1 and is 1 call away.
+    assert [prob(k) for k in [(0, 0), (0, 1), (1, 0)]] == pytest.approx([0.55, 0.775, 0.1])
+    assert p.order() == [(1, 0), (0, 0), (0, 1)]  # 0.1 / 1, 0.55 / 2, 0.775 / 2
+    p.insert((1, 1))  # a prefetch (not layer 0's call): certain until layer 1 runs
+    assert prob((1, 1)) == 1.0 and p.order()[-1] == (1, 1)
+    assert p.victim(exclude={(1, 0)}) == (0, 0)
+    _act(p, 1, [0, 1], [])
+    # Layer 1's call: the learned cell is now 2 of 2 and age 1 is 2.1 of 3 = 0.7; (1, 0) is in
+    # the unseen cell (0.7), (1, 1) in the learned one: (2 + 0.7) / (2 + 1) = 0.9.
+    assert [prob(k) for k in [(1, 0), (1, 1)]] == pytest.approx([0.7, 0.9])
+    assert p.order() == [(1, 0), (1, 1), (0, 0), (0, 1)]  # 0.35, 0.45, 0.55, 0.775
+    assert p.victim(exclude={(1, 0), (1, 1)}) == (0, 0)
+
+
+def test_activation_counts_a_call_once_and_feeds_finished_requests_to_the_library() -> None:
+    p = ActivationPolicy()
+    for req in (0, 1):  # one MoE layer; 4 steps of request 0, then 4 of request 1
+        for _ in range(4):
+            p.begin_call(0, [0, 1], [req, req], [[0], [1]])  # two tokens: experts 0 and 1
+            p.begin_call(0, [2])  # a later wave of the same call: not counted again
+    # Request 0 left the batch at request 1's first step: its matrix is the library's one
+    # entry. Request 1 at layer 0: 8 tokens, own weight 8 / (8 + 8) on 4 / 8 per expert, the
+    # library (request 0, the same) the rest; expert 2 (the wave's) was never counted.
+    assert p.tracker.library_size == 1
+    assert p.tracker.need(0, [1]).tolist() == [0.5, 0.5]

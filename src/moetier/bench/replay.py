@@ -25,8 +25,9 @@ from pathlib import Path
 from moetier.bench.belady import belady
 from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord, read_trace
 from moetier.config import format_bytes, parse_budget
-from moetier.errors import BudgetError
+from moetier.errors import BudgetError, ConfigError
 from moetier.offload.policy import Policy, make_policy
+from moetier.offload.predict import make_predictor
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -61,10 +62,22 @@ class ReplayResult:
     requests: int
     hits: int
     evictions: list[Key]
+    prefetches: int = 0  # keys loaded ahead of their layer's call
+    prefetch_used: int = 0  # of those, used by the next call of their layer before eviction
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.requests if self.requests else 1.0
+
+    @property
+    def loads_per_lookup(self) -> float:
+        """Slot loads (demand misses plus prefetches) per expert lookup: the copy traffic."""
+        return (
+            (self.requests - self.hits + self.prefetches) / self.requests if self.requests else 0.0
+        )
+
+
+Prefetch = tuple[int, Sequence[int]]  # (target MoE layer, its predicted experts, best first)
 
 
 def simulate(
@@ -73,8 +86,14 @@ def simulate(
     policy: Policy,
     initial: Sequence[Key] = (),
     keep_evictions: bool = False,
+    prefetch: Sequence[Prefetch | None] | None = None,
 ) -> ReplayResult:
-    """Hits of `policy` on the trace with S slots (engine slot semantics; see module doc)."""
+    """Hits of `policy` on the trace with S slots (engine slot semantics; see module doc).
+
+    `prefetch[i]` (optional): after call i, its experts of the target layer not resident are
+    loaded, best first (at most S), each evicting the policy's victim outside the prefetched
+    set; a later lookup that finds one counts as a hit (hit rate at use).
+    """
     if num_slots < 1:
         raise ValueError("need at least one slot")
     resident: set[Key] = set()
@@ -83,27 +102,56 @@ def simulate(
         policy.insert(key)
     requests = hits = 0
     evictions: list[Key] = []
-    for rec in records:
+    fetched: set[Key] = set()  # prefetched keys not yet used
+    prefetches = used = 0
+    for i, rec in enumerate(records):
         experts = rec.distinct()
         for w0 in range(0, len(experts), num_slots):
             wave = [(rec.layer, e) for e in experts[w0 : w0 + num_slots]]
-            policy.begin_call(rec.layer, experts[w0 : w0 + num_slots])
+            if w0 == 0:  # the call's routing by request goes with its first wave
+                policy.begin_call(rec.layer, experts[:num_slots], rec.requests, rec.experts)
+            else:
+                policy.begin_call(rec.layer, experts[w0 : w0 + num_slots])
             in_use = set(wave)
             requests += len(wave)
             for key in wave:
                 if key in resident:
                     hits += 1
                     policy.touch(key)
+                    if key in fetched:
+                        used += 1
+                        fetched.discard(key)
                     continue
                 if len(resident) >= num_slots:
                     victim = policy.victim(exclude=in_use)
                     policy.remove(victim)
                     resident.discard(victim)
+                    fetched.discard(victim)
                     if keep_evictions:
                         evictions.append(victim)
                 resident.add(key)
                 policy.insert(key)
-    return ReplayResult(requests, hits, evictions)
+        if fetched:  # prefetched for this call and not used by it: wasted
+            fetched = {k for k in fetched if k[0] != rec.layer}
+        ahead = prefetch[i] if prefetch is not None else None
+        if ahead is not None:
+            wanted = [(ahead[0], e) for e in ahead[1][:num_slots]]
+            busy = set(wanted)
+            for key in wanted:
+                if key in resident:
+                    continue
+                if len(resident) >= num_slots:
+                    victim = policy.victim(exclude=busy)
+                    policy.remove(victim)
+                    resident.discard(victim)
+                    fetched.discard(victim)
+                    if keep_evictions:
+                        evictions.append(victim)
+                resident.add(key)
+                policy.insert(key)
+                fetched.add(key)
+                prefetches += 1
+    return ReplayResult(requests, hits, evictions, prefetches, used)
 
 
 def all_keys(header: TraceHeader) -> list[Key]:
@@ -139,4 +187,138 @@ def format_replay(
     ]
     for name, rate in rates.items():
         lines.append(f"{name:<10} {rate:>8.4f}  {100 * (rate - best):>+7.1f} pt")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PredictionScore:
+    """Next-MoE-layer predictions against the next call's distinct experts, summed over calls
+    (micro-averaged), overall and per target layer: (predicted, actual, correct)."""
+
+    predicted: int
+    actual: int
+    correct: int
+    by_layer: dict[int, tuple[int, int, int]]
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.correct / self.actual if self.actual else 0.0
+
+
+def predictions(trace: RoutingTrace, name: str) -> list[Prefetch | None]:
+    """Per call, the predictor's (next MoE layer, experts) after observing that call."""
+    predictor = make_predictor(name, moe_layers=trace.header.moe_layers)
+    if predictor.needs_hidden:
+        raise ConfigError(
+            f"predictor {name!r} needs hidden states, which a routing trace does not hold; "
+            "evaluate it on a model (bench/predictors.py, tests/unit/test_predict_gate.py)"
+        )
+    out: list[Prefetch | None] = []
+    for rec in trace.records:
+        predictor.observe(rec.layer, [e for row in rec.experts for e in row], rec.requests)
+        target = predictor.target_layer(rec.layer)
+        out.append(None if target is None else (target, predictor.predict(rec.layer)))
+    return out
+
+
+def score_predictions(
+    records: Sequence[TraceRecord], preds: Sequence[Prefetch | None]
+) -> PredictionScore:
+    """Call i's prediction against call i+1 where that is the predicted layer's call."""
+    per: dict[int, list[int]] = {}
+    for i in range(len(records) - 1):
+        pred, nxt = preds[i], records[i + 1]
+        if pred is None or nxt.layer != pred[0]:
+            continue
+        used = nxt.distinct()
+        row = per.setdefault(nxt.layer, [0, 0, 0])
+        row[0] += len(pred[1])
+        row[1] += len(used)
+        row[2] += len(set(pred[1]).intersection(used))
+    predicted, actual, correct = (sum(r[j] for r in per.values()) for j in range(3))
+    by_layer = {la: (r[0], r[1], r[2]) for la, r in sorted(per.items())}
+    return PredictionScore(predicted, actual, correct, by_layer)
+
+
+@dataclass(frozen=True)
+class PredictorReport:
+    score: PredictionScore
+    prefetch: dict[str, ReplayResult]  # policy -> replay with the predictions prefetched
+
+
+def replay_predictors(
+    trace: RoutingTrace,
+    budget: str | int | None,
+    predictors: Sequence[str],
+    policies: Sequence[str],
+) -> dict[str, PredictorReport]:
+    """Per predictor: precision and recall of its next-layer predictions, and per policy the
+    replay with them prefetched before each next call."""
+    slots = slots_for_budget(trace.header, budget)
+    keys = all_keys(trace.header)
+    initial = keys if slots >= len(keys) else []
+    out: dict[str, PredictorReport] = {}
+    for name in predictors:
+        preds = predictions(trace, name)
+        runs = {
+            pol: simulate(trace.records, slots, make_policy(pol), initial, prefetch=preds)
+            for pol in policies
+        }
+        out[name] = PredictorReport(score_predictions(trace.records, preds), runs)
+    return out
+
+
+def predictors_json(reports: dict[str, PredictorReport]) -> dict[str, object]:
+    return {
+        name: {
+            "precision": r.score.precision,
+            "recall": r.score.recall,
+            "by_layer": {
+                str(la): {
+                    "precision": c / p if p else 0.0,
+                    "recall": c / a if a else 0.0,
+                }
+                for la, (p, a, c) in r.score.by_layer.items()
+            },
+            "prefetch": {
+                pol: {
+                    "hit_rate": run.hit_rate,
+                    "loads_per_lookup": run.loads_per_lookup,
+                    "prefetches": run.prefetches,
+                    "prefetch_used": run.prefetch_used,
+                }
+                for pol, run in r.prefetch.items()
+            },
+        }
+        for name, r in reports.items()
+    }
+
+
+def format_predictors(
+    reports: dict[str, PredictorReport], best: float, rates: dict[str, float]
+) -> str:
+    lines = [
+        "next-MoE-layer prediction (each call's prediction vs the next call's experts)",
+        f"{'predictor':<14} {'precision':>9} {'recall':>7}",
+    ]
+    for name, r in reports.items():
+        lines.append(f"{name:<14} {r.score.precision:>9.4f} {r.score.recall:>7.4f}")
+    lines += [
+        "prefetch: predicted experts loaded before the next call, evicting per the policy",
+        f"{'predictor':<14} {'policy':<12} {'hit rate':>8} {'vs belady':>9} {'vs alone':>8} "
+        f"{'loads/lookup':>12} {'used':>6}",
+    ]
+    for name, r in reports.items():
+        for pol, run in r.prefetch.items():
+            used = run.prefetch_used / run.prefetches if run.prefetches else 0.0
+            lines.append(
+                f"{name:<14} {pol:<12} {run.hit_rate:>8.4f} {100 * (run.hit_rate - best):>+7.1f}pt"
+                f" {100 * (run.hit_rate - rates[pol]):>+6.1f}pt {run.loads_per_lookup:>12.4f}"
+                f" {used:>6.1%}"
+            )
+    lines.append(f"(demand only: belady {best:.4f} = {1 - best:.4f} loads/lookup)")
     return "\n".join(lines)

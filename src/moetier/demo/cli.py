@@ -54,13 +54,27 @@ def add_demo_parsers(sub: Any) -> None:
         "slots over all MoE layers) on a moetier-trace file and print hit rates beside Belady's.",
     )
     rp.add_argument("trace", metavar="FILE", help="moetier-trace file (.jsonl or .jsonl.gz)")
-    rp.add_argument("--policy", default="lru,lfu", help="comma-separated policies (lru, lfu)")
+    rp.add_argument(
+        "--policy",
+        default="lru,lfu",
+        help="comma-separated policies (lru, lfu, lfru, least-stale, activation)",
+    )
+    rp.add_argument(
+        "--predictor",
+        default="",
+        help="comma-separated next-layer predictors to score (same-index, last-call, "
+        "activation): precision, recall, and each policy's hit rate with them prefetched",
+    )
     rp.add_argument(
         "--expert-budget",
         default="25%",
         help="device slots: a share of all experts ('25%%') or bytes ('2GiB'); default 25%%",
     )
-    rp.add_argument("--json", action="store_true", help='print {"belady": h, "policies": {..}}')
+    rp.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"belady": h, "policies": {..}} (plus "predictors": {..} with --predictor)',
+    )
     rp.set_defaults(func=cmd_replay)
 
 
@@ -115,13 +129,20 @@ def cmd_record_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from moetier.bench.replay import format_replay, load_trace, replay
+    from moetier.bench import replay as rp
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    trace = load_trace(args.trace)
-    slots, best, rates = replay(trace, args.expert_budget, policies)
+    predictors = [p.strip() for p in args.predictor.split(",") if p.strip()]
+    trace = rp.load_trace(args.trace)
+    slots, best, rates = rp.replay(trace, args.expert_budget, policies)
+    reports = rp.replay_predictors(trace, args.expert_budget, predictors, policies)
     if args.json:
-        print(json.dumps({"belady": best, "policies": rates}))
-    else:
-        print(format_replay(args.trace, trace, args.expert_budget, slots, best, rates))
+        out: dict[str, object] = {"belady": best, "policies": rates}
+        if reports:
+            out["predictors"] = rp.predictors_json(reports)
+        print(json.dumps(out))
+        return 0
+    print(rp.format_replay(args.trace, trace, args.expert_budget, slots, best, rates))
+    if reports:
+        print(rp.format_predictors(reports, best, rates))
     return 0

@@ -14,6 +14,10 @@ share one slot pool. A key of layer l used in this step cannot be needed again b
 step reaches l, so the layer just visited holds the stalest keys. Plain LRU evicts the oldest
 key, which is exactly the one the next layer needs when the pool is smaller than a step's
 working set, and its hit rate falls to 0 there.
+
+`activation` (learned use probabilities from recency, frequency and per-request activation
+matrices) lives in `offload/activation.py` with the matrices it shares with the `activation`
+predictor; the registry imports it when asked for.
 """
 
 from __future__ import annotations
@@ -32,8 +36,19 @@ _NO_KEY = "no evictable key: every resident key is in use"
 class Policy:
     """Tracks resident keys and picks an eviction victim among them."""
 
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
-        """A wave of `experts` of MoE layer `layer` is about to be fetched (optional hook)."""
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """A wave of `experts` of MoE layer `layer` is about to be fetched (optional hook).
+
+        `requests` and `routing` (optional, with a call's first wave only): each token's
+        request id and its top-k expert ids, as a trace record has them. The replay passes
+        them; the engine's cache does not yet (None), so a policy must work without them.
+        """
 
     def insert(self, key: Any) -> None:
         raise NotImplementedError
@@ -169,7 +184,13 @@ class LayeredPolicy(Policy):
         raise NotImplementedError
 
     # hooks
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self._clock += 1
         known = layer in self._visit
         self._visit[layer] = self._clock
@@ -315,7 +336,13 @@ class LFRUPolicy(LayeredPolicy):
         self._history: dict[Any, tuple[float, int]] = {}  # key -> (count at t, t)
         self._lam = math.log(2.0) / half_life_steps  # per call; set per MoE layers seen
 
-    def begin_call(self, layer: int, experts: Sequence[int]) -> None:
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         if layer not in self._visit:
             self._lam = math.log(2.0) / (self.half_life_steps * (len(self._visit) + 1))
         super().begin_call(layer, experts)
@@ -331,11 +358,19 @@ class LFRUPolicy(LayeredPolicy):
         return self.stale * self._lam
 
 
+def _activation() -> Policy:
+    # offload/activation.py builds on this module (Policy), so it is imported when asked for.
+    from moetier.offload.activation import ActivationPolicy
+
+    return ActivationPolicy()
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "lfru": LFRUPolicy,
     "least-stale": LeastStalePolicy,
+    "activation": _activation,
 }
 
 

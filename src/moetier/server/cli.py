@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 _PUBLIC_FLAG = "--allow-public-without-key"
 PREFETCH_HELP = (
-    "next-layer expert prefetch: a predictor (same-index, activation, gate-lookahead); "
+    "next-layer expert prefetch: a predictor of offload/predict.py (same-index, last-call, "
+    "activation, gate-lookahead); "
     "default: off; only acts when experts are offloaded"
 )
 # Once the shutdown grace period is over, in-flight requests get their final error event (or 503)
