@@ -49,7 +49,7 @@ PY
 }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu
+step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
 cp "$WORK/gpu-tests.log" "$OUT/gpu_tests.log" 2>/dev/null
 
 if ls .whl-server/fastapi-*.whl >/dev/null 2>&1; then
@@ -72,7 +72,7 @@ fi
 
 DS=(--synthetic deepseek-v2-lite)
 if step ds-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
-  latency ds-25 "${DS[@]}" --expert-budget 100%,25% --routing "uniform,trace:$TRACE"
+  latency ds-25 "${DS[@]}" --expert-budget 100%,25% --routing "${DS_ROUTING:-uniform,trace:$TRACE}"
   [ -n "$PREFETCH" ] && latency ds-25-prefetch "${DS[@]}" --expert-budget 100%,25% \
     --routing "uniform,trace:$TRACE" --set "prefetch=$PREFETCH"
   latency ds-eager "${DS[@]}" --expert-budget 10% --routing "uniform,trace:$TRACE" \
