@@ -26,8 +26,6 @@ import pytest
 import torch
 
 from moetier import LLM, SamplingParams
-from moetier.config import parse_budget
-from moetier.offload.store import alloc_host_rows
 from moetier.offload.transfer import CudaCopier
 from tests.models.parity import PROMPTS, moetier_greedy
 
@@ -152,41 +150,6 @@ def test_prefetch_adds_no_host_sync(ckpt: Path) -> None:
             llm.engine.step()
         if prefetch is not None:
             assert llm.offload_stats()["prefetches_issued"] > 0
-    assert counts["same-index"] == counts[None], counts
-
-
-def test_alloc_host_rows_locks_exactly_its_size() -> None:
-    torch.cuda.init()
-    rows, numel = 3, (17 << 20) // 6  # 17 MiB of bf16: a power-of-two rounding would take 32
-    key = "allocated_bytes.current"
-    before = torch.cuda.host_memory_stats().get(key, 0)
-    buf, pinned = alloc_host_rows(rows, numel, torch.bfloat16, pin=True)
-    assert pinned == rows * numel * 2 and buf.is_pinned()
-    grown = torch.cuda.host_memory_stats().get(key, 0) - before
-    assert grown < (1 << 20), f"the caching host allocator grew by {grown} bytes"
-    dst = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
-    buf[1].fill_(3.0)
-    dst.copy_(buf[1], non_blocking=True)
-    torch.cuda.synchronize()
-    assert bool((dst == 3.0).all())
-    probe = torch.empty(rows * numel, dtype=torch.bfloat16, pin_memory=True)
-    rounded = torch.cuda.host_memory_stats().get(key, 0) - before - grown
-    print(f"pin_memory() of {probe.numel() * 2} bytes took {rounded} from the caching allocator")
-
-
-def test_pinned_host_tier_matches_host_budget(ckpt: Path) -> None:
-    torch.cuda.init()
-    key = "allocated_bytes.current"
-    before = torch.cuda.host_memory_stats().get(key, 0)
-    llm = LLM(
-        str(ckpt), expert_budget="25%", host_budget="50%", device="cuda", dtype="bfloat16",
-        progress=False,
-    )  # fmt: skip
-    grown = torch.cuda.host_memory_stats().get(key, 0) - before
-    runner = llm.engine.runner
-    plan, host = runner.tier_plan, runner.expert_cache.host
-    allowed = parse_budget("50%", plan.routed_bytes)
-    locked = host.pinned_bytes + grown  # what the host tier (and anything else) page-locked
-    assert host.pinned_bytes == plan.host_rows * plan.expert_bytes and host.pool.is_pinned()
-    assert allowed - plan.expert_bytes < host.pinned_bytes <= allowed
-    assert locked <= allowed + (64 << 10), (locked, allowed, grown)
+    # never more (on the H200, deepseek_v2 once made one sync fewer with prefetch on: a host
+    # row wait it no longer met)
+    assert counts["same-index"] <= counts[None], counts

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -29,39 +28,19 @@ log = logging.getLogger(__name__)
 def alloc_host_rows(
     rows: int, numel: int, dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, int]:
-    """[rows, numel] host buffer and how many bytes of it are page-locked.
+    """[rows, numel] host buffer and how many bytes of it are asked to be page-locked.
 
-    `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which
-    rounds a block up to a power of two: a 40 GiB host tier would lock 64 GiB. Instead the rows
-    are a plain allocation registered with `cudaHostRegister` (exactly its size, unregistered
-    when the buffer is freed); copies from it are truly asynchronous, and PyTorch's
-    `host_memory_stats()` does not count it. Falls back to `pin_memory=True` if registering
-    fails (logged).
+    Pinned through `pin_memory=True` (PyTorch's caching host allocator, which may round a block
+    up to a power of two: `torch.cuda.host_memory_stats()` shows what it really took). A plain
+    buffer registered with `cudaHostRegister` would lock exactly its size, but on the H200 the
+    GPU parity suite then failed with `invalid argument` on later copies once several engines
+    had come and gone in one process (a registration outliving its buffer), so it is not used
+    until its lifetime is tied to the buffer's memory, not to one tensor object.
     """
-    buf = torch.empty(rows, numel, dtype=dtype)
-    nbytes = buf.numel() * buf.element_size()
+    nbytes = rows * numel * torch.empty((), dtype=dtype).element_size()
     if not pin or nbytes == 0:
-        return buf, 0
-    try:
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
-    except (AttributeError, RuntimeError) as exc:  # no binding in this torch build
-        err = exc
-    if isinstance(err, BaseException) or int(err) != 0:
-        log.warning(
-            "cudaHostRegister failed (%s); pinning the host tier with pin_memory() "
-            "(the caching host allocator may round it up to a power of two)",
-            err,
-        )
-        buf = torch.empty(rows, numel, dtype=dtype, pin_memory=True)
-        return buf, nbytes
-    done = weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
-    done.atexit = False  # at exit the process unpins everything anyway; CUDA may be torn down
-    return buf, nbytes
-
-
-def _unregister(cudart: Any, ptr: int) -> None:
-    cudart.cudaHostUnregister(ptr)
+        return torch.empty(rows, numel, dtype=dtype), 0
+    return torch.empty(rows, numel, dtype=dtype, pin_memory=True), nbytes
 
 
 class HostTier:
