@@ -57,7 +57,7 @@ if ls .whl-server/fastapi-*.whl >/dev/null 2>&1; then
     .whl-server/fastapi-*.whl .whl-server/starlette-*.whl .whl-server/uvicorn-*.whl \
     .whl-server/pydantic-2*.whl .whl-server/pydantic_core-*cp312*.whl \
     .whl-server/annotated_types-*.whl .whl-server/typing_inspection-*.whl \
-    .whl-server/typing_extensions-*.whl >>"$LOG" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    .whl-server/typing_extensions-*.whl .whl-server/opentelemetry_api-*.whl >>"$LOG" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
   if step q3-generate python3 -m moetier bench synthetic qwen3-30b-a3b --layers "$SERVE_LAYERS" \
       --seed 0; then
     Q3=$(ls -d "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-L"$SERVE_LAYERS"-s0 | head -n 1)
