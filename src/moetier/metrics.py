@@ -35,6 +35,10 @@ _DISTINCT_DOC = (
     "routing=host calls (the all-resident path would need a host sync), so compare it with "
     "moetier:expert_token_lookups{routing=host} of the same step kind"
 )
+_PREFETCH_DOC = (
+    "Expert prefetches (--prefetch): issued; used by a later fetch before eviction; in_time = "
+    "ready when the compute needed them; cancelled before their copy ran"
+)
 # Engine snapshot key -> (metric name, help, labels) for monotonically growing totals.
 _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     "requests": (
@@ -71,6 +75,15 @@ _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
         {},
     ),
     "num_preemptions": ("moetier:num_preemptions", "Requests preempted (KV blocks ran out)", {}),
+    "prefetches_issued": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "issued"}),
+    "prefetches_used": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "used"}),
+    "prefetches_in_time": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "in_time"}),
+    "prefetches_cancelled": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "cancelled"}),
+    "prefetch_wasted_bytes": (
+        "moetier:expert_prefetch_wasted_bytes",
+        "Bytes prefetched for experts evicted or cancelled before any use",
+        {},
+    ),
     "decode_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "decode"}),
     "prefill_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "prefill"}),
 }
@@ -98,6 +111,10 @@ def _moe_call_counters() -> dict[str, tuple[str, str, dict[str, str]]]:
 
 
 _COUNTERS.update(_moe_call_counters())
+_PREFETCH_DOC = (
+    "Expert prefetches (--prefetch): issued; used by a later fetch before eviction; in_time = "
+    "ready when the compute needed them; cancelled before their copy ran"
+)
 # Engine snapshot key -> (metric name, help) for current values.
 _GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("moetier:num_requests_running", "Requests in the running batch"),

@@ -128,3 +128,22 @@ def test_concurrent_requests_count_every_token_once(
     assert 0 < distinct <= pairs
     # never more distinct experts per call than the layer has, however many requests it serves
     assert distinct <= experts * d["moetier:moe_layer_calls", "host", "decode"]
+
+
+def test_prefetch_counters_match_the_engine(serve: Callable[..., LiveServer]) -> None:
+    """With --prefetch on, /metrics exports the engine's prefetch counters, by outcome."""
+    server = serve("--max-num-seqs", "2", "--expert-budget", "50%", "--prefetch", "same-index")
+    _complete(server, [4, 5, 6], max_tokens=5)
+    stats = server.health()  # fresh engine counters, also what /metrics was last given
+    fam = _families(server)["moetier:expert_prefetches"]
+    got = {
+        s.labels["outcome"]: s.value
+        for s in fam.samples
+        if s.name.endswith("_total") and s.labels["model_name"] == server.model
+    }
+    want = {o: float(stats[f"prefetches_{o}"]) for o in ("issued", "used", "in_time", "cancelled")}
+    assert got == want and want["issued"] > 0, (got, want)
+    wasted = _families(server)["moetier:expert_prefetch_wasted_bytes"].samples
+    assert [s.value for s in wasted if s.name.endswith("_total")] == [
+        float(stats["prefetch_wasted_bytes"])
+    ]
