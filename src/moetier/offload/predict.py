@@ -136,27 +136,17 @@ class SameIndexPredictor(Predictor):
         self._last = {}
 
 
-class LastCallPredictor(Predictor):
+class LastCallPredictor(SameIndexPredictor):
     """Reference: the target layer needs what its own previous call used (most tokens first).
 
     Consecutive tokens reuse 35-50% of a layer's experts on real text, so this is the bar a
-    learned predictor has to clear at batch 1.
+    learned predictor has to clear at batch 1. Same memory as same-index, other layer read.
     """
 
     name = "last-call"
 
-    def __init__(self, moe_layers: Sequence[int] | None = None) -> None:
-        super().__init__(moe_layers)
-        self._last: dict[int, list[int]] = {}
-
-    def _observe(self, layer: int, experts: Sequence[int], requests: Sequence[int] | None) -> None:
-        self._last[layer] = _ranked(experts)
-
     def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
         return self._last.get(target, [])
-
-    def _reset(self) -> None:
-        self._last = {}
 
 
 class ActivationPredictor(Predictor):
