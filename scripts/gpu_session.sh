@@ -8,7 +8,9 @@
 #      server wheels in .whl-server: see ../.library/device/README.md);
 #   3. DeepSeek-V2-Lite (27 layers) `bench latency` at 100 / 25 %, uniform and trace routing,
 #      today's defaults (piecewise graphs); with PREFETCH=<predictor> the same with prefetch;
-#      then 10 % with offloaded steps eager (piecewise_graphs=false).
+#      then 10 % with offloaded steps eager (piecewise_graphs=false); then batch 16 and 4 with
+#      every expert resident, today's hot path against the old one (slot kernel, fused kernels
+#      and graphs off), for the hot-path issue's "no regression at batch 4 / 16".
 # Results under $OUT: gpu_tests.log, summary.md, session-results.tar.gz, gpu_session.log.
 set -uo pipefail
 START=$SECONDS
@@ -77,6 +79,13 @@ if step ds-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0
     --routing "uniform,trace:$TRACE" --set "prefetch=$PREFETCH"
   latency ds-eager "${DS[@]}" --expert-budget 10% --routing "uniform,trace:$TRACE" \
     --set "piecewise_graphs=false"
+  # batch 4 and 16, every expert resident: today's hot path against the old one
+  OLD="moe_slot_kernel_max_pairs=0 fused_kernels=false cuda_graphs=false"
+  for b in 16 4; do
+    latency "ds-b$b-new" "${DS[@]}" --expert-budget 100% --routing uniform --batch-size "$b"
+    latency "ds-b$b-old" "${DS[@]}" --expert-budget 100% --routing uniform --batch-size "$b" \
+      --set "$OLD"
+  done
 fi
 
 {
