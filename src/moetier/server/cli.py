@@ -40,7 +40,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument(
-        "--policy", default="lru", help="expert-cache policy (lru, lfu, lfru, least-stale)"
+        "--policy",
+        default="lru",
+        help="expert-cache policy (lru, lfu, lfru, least-stale, activation)",
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
