@@ -247,19 +247,29 @@ class EngineClient:
         threading.Thread(target=self._read, name="moetier-engine-reader", daemon=True).start()
 
     def _read(self) -> None:
-        assert self._loop is not None
         while True:
             try:
                 msg = self.out_q.get(timeout=1.0)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    self._loop.call_soon_threadsafe(self._died)
+                    self._post(self._died)
                     return
                 continue
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._died)
+                self._post(self._died)
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            if not self._post(self._dispatch, msg):
+                return
+
+    def _post(self, fn: Any, *args: Any) -> bool:
+        """Run `fn(*args)` on the event loop; False once the loop is closed (the server has
+        shut down: the engine's last messages and its exit have no one left to tell)."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
 
     def _died(self) -> None:
         self.dead = f"engine process exited (code {self.proc.exitcode})"
