@@ -116,6 +116,7 @@ class DecodeGraphs:
         self.moe_layers = len(self.blocks)
         self.top_k = runner.top_k
         self.gates: tuple[int, ...] = ()  # identity of the routers the graphs were captured with
+        self.staged: list[Any] = []  # those routers that are fed from the host (`stage`)
 
     @property
     def offloaded(self) -> bool:
@@ -140,6 +141,7 @@ class DecodeGraphs:
             self.graphs.clear()
             self.failed.clear()
             self.gates = gates
+            self.staged = [b.gate for b in self.blocks if hasattr(b.gate, "stage")]
             # a fresh memory pool: capturing into the dropped graphs' pool trips an allocator
             # assert (use count 0) in torch 2.11
             self.pool = torch.cuda.graph_pool_handle()
@@ -158,8 +160,7 @@ class DecodeGraphs:
         for t in tables:
             flat.extend(t[: key[1]] + [0] * (key[1] - len(t[: key[1]])))
         host = torch.tensor(flat, dtype=torch.long)
-        staged = [b.gate for b in self.blocks if hasattr(b.gate, "stage")]
-        for gate in staged:  # this step's ids of routers fed from the host
+        for gate in self.staged:  # this step's ids of routers fed from the host
             gate.stage(key[0], self.runner.device)
         g = self.graphs.get(key)
         if g is None:
@@ -176,16 +177,15 @@ class DecodeGraphs:
                     key[0] * self.top_k * self.moe_layers, self.moe_layers
                 )
         finally:
-            for gate in staged:
+            for gate in self.staged:
                 gate.unstage()
         self.replays += 1
         return g.logits.clone()  # the pool is shared: detach the result from the next replay
 
     def unstage(self) -> None:
         """After an eager step: routers fed from the host draw their ids per call again."""
-        for b in self.blocks:
-            if hasattr(b.gate, "unstage"):
-                b.gate.unstage()
+        for gate in self.staged:  # only run() stages, and it refreshes this list first
+            gate.unstage()
 
     def _replay_pieces(self, g: _Graph, b: int) -> None:
         """Replay the pieces; between two, the host does a MoE layer's routing sync and fetch."""
