@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from moetier.offload.cancel import cancel, cancel_where, reap_detached
 from moetier.offload.policy import make_policy
 from moetier.offload.slots import SlotState, SlotTable
 from moetier.offload.stats import OffloadStats
@@ -275,7 +276,7 @@ class ExpertCache:
     def _claim_row(self, urgent: bool, wave: _Wave | None) -> int | None:
         row = self.host.claim_row(wait=urgent)
         if row is None and urgent:  # every row is held: prefetches yield theirs, then our own
-            self._cancel_row_holders()
+            cancel_where(self, lambda load: load.row is not None)  # prefetches' rows
             row = self.host.claim_row(wait=True)
             if row is None and wave is not None:
                 self._complete(wave)  # this wave's earlier loads issue their copies
@@ -297,7 +298,7 @@ class ExpertCache:
         slot = self.slot_of[victim]
         s = self.table.slots[slot]
         if s.state is SlotState.LOADING:  # only prefetches are in progress outside a fetch
-            self._cancel(s.load)
+            cancel(self, s.load)
         elif s.prefetched:
             self.stats.prefetch_wasted_bytes += self.expert_bytes
         self.table.vacate(slot)
@@ -364,7 +365,7 @@ class ExpertCache:
     def _advance(self) -> None:
         """Move prefetches on without blocking: reap finished reads, settle issued copies."""
         if self._detached:
-            self._reap_detached()
+            reap_detached(self)
         loading = self.table.loading_slots()
         if not loading:
             return
@@ -415,69 +416,11 @@ class ExpertCache:
         self.policy.remove(key)
         self.table.give_back(load.slot)
 
-    # cancelling
-    def _cancel(self, load: Load) -> None:
-        """Stop an unpinned prefetch; the caller vacates its slot. Bytes already on their way
-        either land before the slot's next copy (same stream) or are waited out (CPU read)."""
-        self.stats.prefetches_cancelled += 1
-        if load.read is not None:
-            if self.reads.cancel(load.read):
-                load.read = None
-            elif load.direct:  # running into the slot itself: wait it out (CPU, rare)
-                try:
-                    self.host.count_read(*self.reads.wait(load.read))
-                    self.stats.prefetch_wasted_bytes += self.expert_bytes
-                except Exception:
-                    pass
-                load.read = None
-            else:  # running into a host row: let it finish on its own, then give the row back
-                load.slot = None
-                self._detached.append(load)
-                return
-            if load.row is not None:
-                self.host.unhold(load.row)
-                self.host.discard(load.row)
-            return
-        copy = load.copy
-        assert copy is not None and load.slot is not None
-        issued = self.transfer.cancel(copy)
-        self.stats.prefetch_wasted_bytes += issued
-        self.stats.bytes_host_to_device += issued
-        if not copy.issued and copy.after is not None:  # the slot's last use is still ahead
-            self.slot_free_event.setdefault(load.slot, copy.after)
-        if load.row is not None:
-            if copy.issued:
-                self.host.mark_in_flight(load.row, copy.event)
-            self.host.unhold(load.row)
-
+    # cancelling (offload/cancel.py)
     def _drop_stale(self, layer: int | None) -> None:
         """Cancel unpinned loads still in progress for `layer`, whose call has come and gone."""
         if layer is not None:
-            self._cancel_where(lambda load: load.key.layer == layer)
-
-    def _cancel_row_holders(self) -> None:
-        self._cancel_where(lambda load: load.row is not None)
-
-    def _cancel_where(self, which: Callable[[Load], bool]) -> None:
-        for slot in self.table.loading_slots():
-            s = self.table.slots[slot]
-            if not s.pins and which(s.load):
-                self._cancel(s.load)
-                self.policy.remove(self.table.vacate(slot))
-                self.table.give_back(slot)
-
-    def _reap_detached(self) -> None:
-        keep = []
-        for load in self._detached:
-            assert load.read is not None and load.row is not None
-            if not load.read.done:
-                keep.append(load)
-                continue
-            with contextlib.suppress(Exception):  # a failed read of an abandoned prefetch
-                self.host.count_read(*self.reads.wait(load.read))
-            self.host.unhold(load.row)
-            self.host.discard(load.row)
-        self._detached = keep
+            cancel_where(self, lambda load: load.key.layer == layer)
 
     # hits and waits
     def _note_use(self, slot: int, wave: _Wave) -> None:
