@@ -44,25 +44,8 @@ if [ -z "${TRACE:-}" ]; then
 fi
 LOG="$OUT/gpu_bench.log"
 
-log() { echo "[gpu_bench $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
-left() { echo $((DEADLINE - (SECONDS - START))); }
-
-# step NAME CMD...: run CMD with stdout+stderr to $WORK/NAME.log, killed at the deadline.
-step() {
-  local name=$1 budget
-  shift
-  budget=$(left)
-  if [ "$budget" -lt 30 ]; then
-    log "skip $name: $budget s left before the deadline"
-    return 1
-  fi
-  log "start $name (limit ${budget}s): $*"
-  timeout -k 10 "$budget" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  log "end $name: rc=$rc$([ $rc -eq 124 ] && echo ' (deadline)')"
-  tail -n 3 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$LOG"
-  return $rc
-}
+TAG=gpu_bench
+source scripts/gpu_steps.sh
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo none)"
 log "disk: $(df -h "$MOETIER_HOME" 2>/dev/null | tail -n 1 || df -h / | tail -n 1)"

@@ -26,18 +26,8 @@ SERVE_OUTPUT=${SERVE_OUTPUT:-32}
 PREFETCH=${PREFETCH:-}
 TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
 LOG="$OUT/gpu_session.log"
-log() { echo "[gpu_session $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
-step() {
-  local name=$1 budget=$((DEADLINE - (SECONDS - START)))
-  shift
-  if [ "$budget" -lt 30 ]; then log "skip $name: $budget s left"; return 1; fi
-  log "start $name (limit ${budget}s)"
-  timeout -k 10 "$budget" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  log "end $name: rc=$rc"
-  tail -n 4 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$LOG"
-  return $rc
-}
+TAG=gpu_session
+source scripts/gpu_steps.sh
 latency() {  # NAME SHAPE_ARGS... -- BENCH_ARGS...
   local name=$1
   shift
