@@ -104,6 +104,19 @@ def simulate(
     evictions: list[Key] = []
     fetched: set[Key] = set()  # prefetched keys not yet used
     prefetches = used = 0
+
+    def admit(key: Key, exclude: set[Key]) -> None:
+        """Load `key`, evicting the policy's victim outside `exclude` when the pool is full."""
+        if len(resident) >= num_slots:
+            victim = policy.victim(exclude=exclude)
+            policy.remove(victim)
+            resident.discard(victim)
+            fetched.discard(victim)
+            if keep_evictions:
+                evictions.append(victim)
+        resident.add(key)
+        policy.insert(key)
+
     for i, rec in enumerate(records):
         experts = rec.distinct()
         for w0 in range(0, len(experts), num_slots):
@@ -122,15 +135,7 @@ def simulate(
                         used += 1
                         fetched.discard(key)
                     continue
-                if len(resident) >= num_slots:
-                    victim = policy.victim(exclude=in_use)
-                    policy.remove(victim)
-                    resident.discard(victim)
-                    fetched.discard(victim)
-                    if keep_evictions:
-                        evictions.append(victim)
-                resident.add(key)
-                policy.insert(key)
+                admit(key, in_use)
         if fetched:  # prefetched for this call and not used by it: wasted
             fetched = {k for k in fetched if k[0] != rec.layer}
         ahead = prefetch[i] if prefetch is not None else None
@@ -140,15 +145,7 @@ def simulate(
             for key in wanted:
                 if key in resident:
                     continue
-                if len(resident) >= num_slots:
-                    victim = policy.victim(exclude=busy)
-                    policy.remove(victim)
-                    resident.discard(victim)
-                    fetched.discard(victim)
-                    if keep_evictions:
-                        evictions.append(victim)
-                resident.add(key)
-                policy.insert(key)
+                admit(key, busy)
                 fetched.add(key)
                 prefetches += 1
     return ReplayResult(requests, hits, evictions, prefetches, used)
