@@ -36,6 +36,7 @@ class _FakeProfile:
             _evt("aten::mm", DeviceType.CPU, 500.0),  # host op: not device time
             _evt("ampere_gemm", DeviceType.CUDA, 300.0),
             _evt("elementwise_kernel", DeviceType.CUDA, 100.0),
+            _evt("ampere_gemm", DeviceType.CUDA, 60.0),
             _evt("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA, 250.0),
             _evt("Memset (Device)", DeviceType.CUDA, 50.0),
             _evt("moetier_step", DeviceType.CUDA, 9000.0, annotation=True),
@@ -48,6 +49,10 @@ def test_kernel_time_and_launches_per_step(monkeypatch: pytest.MonkeyPatch) -> N
     calls = []
     res = profiling.profile_steps(lambda: calls.append(1), steps=2)
     assert len(calls) == 2
-    assert res.kernel_ms_per_step == pytest.approx(0.2)  # (300 + 100) us / 2 steps
-    assert res.launches_per_step == 1.0
+    assert res.kernel_ms_per_step == pytest.approx(0.23)  # (300 + 100 + 60) us / 2 steps
+    assert res.launches_per_step == 1.5
     assert res.copy_ms_per_step == pytest.approx(0.15)
+    # heaviest first: (name, ms per step, launches per step)
+    assert [k[0] for k in res.top_kernels] == ["ampere_gemm", "elementwise_kernel"]
+    assert res.top_kernels[0][1:] == pytest.approx((0.18, 1.0))
+    assert res.top_kernels[1][1:] == pytest.approx((0.05, 0.5))

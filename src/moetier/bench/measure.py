@@ -358,8 +358,10 @@ def _metrics(
     if device_time is not None:
         gpu_busy, launches = device_time.kernel_ms_per_step, device_time.launches_per_step
         copy_ms = device_time.copy_ms_per_step
+        top_kernels = [list(k) for k in device_time.top_kernels]
     else:  # CPU: the compute device is the host, so a step is all "busy"
         gpu_busy, launches, copy_ms = tpot, 0.0, 0.0
+        top_kernels = []
     lookups = max(c["requests"], 1.0)
     return dict(
         budget=budget,
@@ -380,6 +382,7 @@ def _metrics(
         gpu_busy_ms=gpu_busy,
         kernel_launches_per_step=launches,
         device_copy_ms_per_step=copy_ms,
+        top_kernels=top_kernels,  # [name, ms per step, launches per step], heaviest first
         host_overhead_ms=tpot - gpu_busy,
         exposed_fetch_ms_per_token=c["exposed_fetch_s"] * 1e3 / n,
         h2d_bytes_per_token=c["bytes_host_to_device"] / n,

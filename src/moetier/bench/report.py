@@ -79,7 +79,23 @@ def latency_table(result: dict[str, Any]) -> str:
             )
     for note in result.get("notes", []):
         lines.append(f"\nnote: {note}")
+    lines.extend(_top_kernels(result["configs"]))
     return "\n".join(lines)
+
+
+def _top_kernels(configs: list[dict[str, Any]], top: int = 8) -> list[str]:
+    """Per configuration, the kernels that took the most device time per step."""
+    out: list[str] = []
+    for cfg in configs:
+        kernels = cfg.get("top_kernels") or []
+        if not kernels:
+            continue
+        busy = cfg.get("gpu_busy_ms") or 0.0
+        out.append(f"\ntop kernels, {cfg.get('routing', '')} {cfg.get('budget', '')}:")
+        for name, ms, calls in kernels[:top]:
+            share = f"{100 * ms / busy:.0f}%" if busy else "-"
+            out.append(f"  {ms:7.3f} ms/step ({share:>4}) {calls:6.1f} launches  {name[:90]}")
+    return out
 
 
 def _clean(obj: Any) -> Any:

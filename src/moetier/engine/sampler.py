@@ -32,9 +32,7 @@ class Sampler:
         ]
         return torch.cat(chosen).tolist()
 
-    def _sample_one(
-        self, logits: torch.Tensor, request_id: int, p: SamplingParams
-    ) -> torch.Tensor:
+    def _sample_one(self, logits: torch.Tensor, request_id: int, p: SamplingParams) -> torch.Tensor:
         """One row's token id as a [1] tensor on the logits' device."""
         gen = self._generators.get(request_id)
         if gen is None:

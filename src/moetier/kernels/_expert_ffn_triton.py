@@ -18,8 +18,16 @@ import triton.language as tl
 
 @triton.jit
 def _gate_up_act(
-    x_ptr, pool_ptr, slot_ptr, h_ptr, K, D, NI, stride_slot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    pool_ptr,
+    slot_ptr,
+    h_ptr,
+    K,
+    D,
+    NI,
+    stride_slot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -49,8 +57,17 @@ def _gate_up_act(
 
 @triton.jit
 def _down_combine(
-    h_ptr, pool_ptr, slot_ptr, w_ptr, out_ptr, K, D, NI, stride_slot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    pool_ptr,
+    slot_ptr,
+    w_ptr,
+    out_ptr,
+    K,
+    D,
+    NI,
+    stride_slot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     nb = tl.program_id(1)

@@ -54,7 +54,12 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     xc = x.contiguous()
     out = torch.empty_like(xc)
     _rope[(t * heads,)](
-        xc, cos.contiguous(), sin.contiguous(), out, heads, dim,
+        xc,
+        cos.contiguous(),
+        sin.contiguous(),
+        out,
+        heads,
+        dim,
         BLOCK=triton.next_power_of_2(dim),
     )
     return out
