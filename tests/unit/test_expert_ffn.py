@@ -67,6 +67,19 @@ for t, k, d, i, s in [(1, 2, 48, 40, 6), (3, 4, 160, 72, 10), (2, 8, 130, 33, 9)
     torch.testing.assert_close(
         expert_ffn(x, pool, slots, w, i), expert_ffn_reference(x, pool, slots, w, i),
         rtol=1e-5, atol=1e-5)
+# every launch shape the chooser may pick computes the same thing (both down variants)
+from moetier.kernels._expert_ffn_triton import FfnConfig, expert_ffn_triton
+t, k, d, i, s = 2, 3, 130, 72, 7
+x = torch.randn(t, d, generator=g).to(torch.bfloat16)
+pool = (torch.randn(s, 3 * i * d, generator=g) / d**0.5).to(torch.bfloat16)
+slots = torch.stack([torch.randperm(s, generator=g)[:k] for _ in range(t)]).sort(-1).values
+w = torch.rand(t, k, generator=g)
+base = expert_ffn_triton(x, pool, slots, w, i, FfnConfig())
+for cfg in [FfnConfig(split_down=True), FfnConfig(up_bn=8, up_bk=256, split_down=True,
+            down_bn=64, down_bk=64), FfnConfig(up_bn=64, up_bk=32, down_bn=4, down_bk=256)]:
+    got = expert_ffn_triton(x, pool, slots, w, i, cfg)
+    # the same products; fp32 partial sums in another order may move a bf16 result one ulp
+    torch.testing.assert_close(got.float(), base.float(), rtol=2**-7, atol=2**-7)
 print("ok")
 """
 

@@ -9,6 +9,8 @@ read once per pair, so this is meant for decode-sized batches (P pairs up to a f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -95,22 +97,172 @@ def _down_combine(
     tl.store(out_ptr + t * D + rows, out.to(dt), mask=rmask)
 
 
+@triton.jit
+def _down_pair(
+    h_ptr,
+    pool_ptr,
+    slot_ptr,
+    w_ptr,
+    y_ptr,
+    D,
+    NI,
+    stride_slot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (token, expert) pair's weighted down projection, pairs in parallel: y[p] =
+    r(r(down_p · h_p) * w_p). `_combine` adds a token's pairs in order afterwards."""
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < D
+    dt = y_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    base = pool_ptr + slot * stride_slot + 2 * NI * D
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, NI, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < NI
+        hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
+        m2 = rmask[:, None] & cmask[None, :]
+        wd = tl.load(base + rows[:, None].to(tl.int64) * NI + cols[None, :], mask=m2, other=0.0).to(
+            tl.float32
+        )
+        acc += tl.sum(wd * hv[None, :], axis=1)
+    w = tl.load(w_ptr + p).to(tl.float32)
+    y = (acc.to(dt).to(tl.float32) * w).to(dt)
+    tl.store(y_ptr + p * D + rows, y, mask=rmask)
+
+
+@triton.jit
+def _combine(y_ptr, out_ptr, K, D, BLOCK: tl.constexpr):
+    """out[t] = r(...r(r(0 + y[t,0]) + y[t,1])... + y[t,K-1]), ascending expert order."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    cols = nb * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    dt = out_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, K):
+        y = tl.load(y_ptr + (t * K + j) * D + cols, mask=m, other=0.0).to(tl.float32)
+        out = (out + y).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, out.to(dt), mask=m)
+
+
+@dataclass(frozen=True)
+class FfnConfig:
+    """Launch shape of the two halves: tile rows x reduction chunk, warps, pipeline stages.
+    `split_down`: the down projection runs one program per (pair, row block) and a small
+    `_combine` adds each token's pairs; else `_down_combine` walks a token's pairs in turn."""
+
+    up_bn: int = 32
+    up_bk: int = 128
+    up_warps: int = 4
+    up_stages: int = 3
+    split_down: bool = False
+    down_bn: int = 16
+    down_bk: int = 128
+    down_warps: int = 4
+    down_stages: int = 3
+
+
+LEGACY = FfnConfig()
+
+
+def choose_config(t: int, k: int, d: int, inter: int) -> FfnConfig:
+    """The launch shape for a layer call of T tokens x K pairs (D hidden, I intermediate)."""
+    return LEGACY
+
+
+def gate_up(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    h: torch.Tensor,
+    k: int,
+    inter: int,
+    cfg: FfnConfig,
+) -> None:
+    d = x.shape[1]
+    _gate_up_act[(slots.numel(), triton.cdiv(inter, cfg.up_bn))](
+        x,
+        pool,
+        slots,
+        h,
+        k,
+        d,
+        inter,
+        pool.stride(0),
+        BLOCK_N=cfg.up_bn,
+        BLOCK_K=cfg.up_bk,
+        num_warps=cfg.up_warps,
+        num_stages=cfg.up_stages,
+    )
+
+
+def down(
+    h: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    inter: int,
+    cfg: FfnConfig,
+) -> None:
+    t, k = slots.shape
+    d = out.shape[1]
+    if cfg.split_down:
+        y = torch.empty(t * k, d, dtype=out.dtype, device=out.device)  # [P, D]
+        _down_pair[(t * k, triton.cdiv(d, cfg.down_bn))](
+            h,
+            pool,
+            slots,
+            weights,
+            y,
+            d,
+            inter,
+            pool.stride(0),
+            BLOCK_N=cfg.down_bn,
+            BLOCK_K=cfg.down_bk,
+            num_warps=cfg.down_warps,
+            num_stages=cfg.down_stages,
+        )
+        _combine[(t, triton.cdiv(d, 512))](y, out, k, d, BLOCK=512, num_warps=4)
+    else:
+        _down_combine[(t, triton.cdiv(d, cfg.down_bn))](
+            h,
+            pool,
+            slots,
+            weights,
+            out,
+            k,
+            d,
+            inter,
+            pool.stride(0),
+            BLOCK_N=cfg.down_bn,
+            BLOCK_K=cfg.down_bk,
+            num_warps=cfg.down_warps,
+            num_stages=cfg.down_stages,
+        )
+
+
 def expert_ffn_triton(
-    x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    cfg: FfnConfig | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool [S, 3ID], slots [T, K] (ascending expert per row), weights [T, K]
     -> [T, D]."""
     t, k = slots.shape
-    d = x.shape[1]
     x = x.contiguous()
     slots = slots.to(torch.int32).contiguous()
     weights = weights.contiguous()
+    cfg = cfg or choose_config(t, k, x.shape[1], inter)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     out = torch.empty_like(x)
-    _gate_up_act[(t * k, triton.cdiv(inter, 32))](
-        x, pool, slots, h, k, d, inter, pool.stride(0), BLOCK_N=32, BLOCK_K=128
-    )
-    _down_combine[(t, triton.cdiv(d, 16))](
-        h, pool, slots, weights, out, k, d, inter, pool.stride(0), BLOCK_N=16, BLOCK_K=128
-    )
+    gate_up(x, pool, slots, h, k, inter, cfg)
+    down(h, pool, slots, weights, out, inter, cfg)
     return out

@@ -354,11 +354,12 @@ class Serving:
                 return
             assert isinstance(ev, RequestDelta)
             # Tokens whose text is held back (a partial stop string or UTF-8 sequence) ride
-            # along with the next chunk that carries text.
+            # along with the next chunk that carries text, unless the client asked for token
+            # ids: then each step's ids go out at once, with empty text.
             ids, lps = pending.setdefault(index, ([], []))
             ids += ev.token_ids
             lps += ev.logprobs
-            if not ev.text and not ev.finished:
+            if not ev.text and not ev.finished and not (body.return_token_ids and ids):
                 continue
             part: dict[str, Any] = {"index": index}
             part.update({"delta": {"content": ev.text}} if job.chat else {"text": ev.text})
