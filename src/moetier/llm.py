@@ -205,6 +205,7 @@ class LLM:
             logits = self.engine.runner.execute(SchedulerOutput([ScheduledRequest(req, len(ids))]))
         finally:
             self.engine.runner.free(-1)
+            self.engine.runner.end_request(-1)
         return logits[0].cpu()
 
     def offload_stats(self) -> dict[str, float]:

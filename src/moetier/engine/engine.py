@@ -205,6 +205,7 @@ class Engine:
 
     def _forget(self, req: Request) -> None:
         self.scheduler.finish(req)
+        self.runner.end_request(req.request_id)
         self.sampler.forget(req.request_id)
         self.stopping.forget(req.request_id)
         self._logprobs.pop(req.request_id, None)

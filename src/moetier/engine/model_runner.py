@@ -200,10 +200,16 @@ class ModelRunner:
         (a no-op for scheduled requests); K/V written by a step that raises sits beyond each
         request's progress counter and is overwritten when the request runs again.
         """
-        if self.prefetcher is not None:  # each token's request, for the predictor
-            self.prefetcher.token_requests = [
+        cache = self.expert_cache
+        if self.prefetcher is not None or cache.wants_routing:
+            # each token's request, for the predictor and the slot policy
+            requests = [
                 s.request.request_id for s in batch.scheduled for _ in range(s.num_new_tokens)
             ]
+            if self.prefetcher is not None:
+                self.prefetcher.token_requests = requests
+            if cache.wants_routing:
+                cache.token_requests = requests
         if self.graphs is not None and self.graphs.qualifies(batch):
             logits = self.graphs.run(batch)
             if logits is not None:
@@ -239,3 +245,7 @@ class ModelRunner:
     def free(self, request_id: int) -> int:
         """Free the request's KV blocks; the number freed."""
         return self.kv_cache.free(request_id)
+
+    def end_request(self, request_id: int) -> None:
+        """The request is finished, aborted or failed: the slot policy may learn from it."""
+        self.expert_cache.end_request(request_id)

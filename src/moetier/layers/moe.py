@@ -94,7 +94,12 @@ class MoEBlock(nn.Module):
         t0 = time.perf_counter()
         flat = ids.flatten().cpu()  # [T*K]
         provider.count_routing_sync(time.perf_counter() - t0)
-        need_ids = kernel or self.route_observer is not None or self.prefetcher is not None
+        need_ids = (
+            kernel
+            or self.route_observer is not None
+            or self.prefetcher is not None
+            or provider.wants_routing
+        )
         host_ids: list[int] = flat.tolist() if need_ids else []
         if self.route_observer is not None:
             self.route_observer(self.layer, host_ids, k)
@@ -130,11 +135,11 @@ class MoEBlock(nn.Module):
         if len(experts) > provider.max_batch:
             return None
         provider.count_routed(len(host_ids), len(experts))
-        batch = provider.fetch(self.layer, experts)
+        rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
+        batch = provider.fetch(self.layer, experts, rows if provider.wants_routing else None)
         try:
             self._prefetch(host_ids, hidden)
             slot_of = dict(zip(batch.experts, batch.slots))
-            rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
             slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
         except BaseException:
             provider.release(batch)
@@ -164,8 +169,14 @@ class MoEBlock(nn.Module):
         tokens, kpos = order_dev // k, order_dev % k
         host_tokens = (order // k).tolist() if self.grouped_max_bytes else []
         out = torch.zeros_like(x)
+        routing = (  # the call's routing goes with its first wave only
+            [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
+            if provider.wants_routing
+            else None
+        )
         for w0 in range(0, len(experts), provider.max_batch):
-            batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch])
+            batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch], routing)
+            routing = None
             try:
                 if w0 + provider.max_batch >= len(experts):  # the layer's last wave is pinned
                     self._prefetch(host_ids, x)

@@ -242,13 +242,17 @@ class ActivationPolicy(Policy):
     `least-stale` and `lfru`: with one global pool that layer's keys are needed last.
 
     A key inserted outside its layer's call (a prefetch) counts as certain until that call.
-    Request ids come with `begin_call(..., requests=, routing=)`; without them (the engine
-    today) every call counts as one anonymous request that never ends, so the need is the
-    run's use frequency and the library stays empty.
+    Request ids come with `begin_call(..., requests=, routing=)` (the replay and the engine's
+    cache pass them: `wants_routing`) and a request joins the library when `end_request` says
+    it finished or when a step's first call goes without it; without ids every call counts as
+    one anonymous request that never ends, so the need is the run's use frequency and the
+    library stays empty.
 
     Cost: O(E) numpy work per call, O(L*E) per wave with an eviction (one partial sort; the
     victims of a wave come from it in order), where L layers, E experts.
     """
+
+    wants_routing = True
 
     def __init__(self, half_life_steps: float = 16.0, **tracker_kw: Any) -> None:
         self.tracker = ActivationTracker(**tracker_kw)
@@ -302,6 +306,10 @@ class ActivationPolicy(Policy):
         used = np.array(sorted(set(flat)), dtype=np.int64)
         self._alloc(layer + 1, int(used[-1]) + 1 if len(used) else 1)
         self._call(layer, used, active)
+
+    def end_request(self, request_id: int) -> None:
+        """The request's activation matrix joins the library (`ActivationTracker.end_request`)."""
+        self.tracker.end_request(request_id)
 
     def insert(self, key: Any) -> None:
         lk = (int(key[0]), int(key[1]))

@@ -100,6 +100,10 @@ class ExpertCache:
         self.expert_bytes = shape.numel * self.slots.element_size()
         self.table = SlotTable(num_slots)
         self.policy = make_policy(policy)
+        self.wants_routing = self.policy.wants_routing
+        # Request id of each token of the current step ([T]), for the policy with a call's
+        # routing; set by the model runner before each forward (only when `wants_routing`).
+        self.token_requests: list[int] | None = None
         self.cuda = device.type == "cuda"
         if copier is not None:
             self.transfer = TransferEngine(copier, chunk_bytes, window=1)
@@ -163,16 +167,26 @@ class ExpertCache:
         return self.transfer.paused()
 
     # the provider interface
-    def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
+    def fetch(
+        self, layer: int, experts: list[int], routing: Sequence[Sequence[int]] | None = None
+    ) -> ExpertBatch:
         """Make `experts` of `layer` ready on the compute stream and pin their slots until
-        `release`. A failed read hands its slot back, unpins the wave and raises."""
+        `release`. A failed read hands its slot back, unpins the wave and raises. `routing`
+        (a call's first wave): each token's top-k ids, given to the policy with the step's
+        `token_requests` (None when they are not this call's tokens)."""
         assert len(experts) <= self.num_slots, "caller must split experts into waves of max_batch"
         self._advance()
         if layer != self._last_layer:
             self._drop_stale(self._last_layer)
             self._last_layer = layer
         keys = [ExpertKey(layer, e) for e in experts]
-        self.policy.begin_call(layer, experts)
+        if routing is None:
+            self.policy.begin_call(layer, experts)
+        else:
+            requests = self.token_requests
+            if requests is not None and len(requests) != len(routing):
+                requests = None  # not this step's tokens: one anonymous request
+            self.policy.begin_call(layer, experts, requests, routing)
         wave = _Wave(set(keys) | self.table.pinned_keys())
         start = time.perf_counter()
         try:
@@ -202,6 +216,10 @@ class ExpertCache:
             self.stats.miss_host_s += time.perf_counter() - start
         self._wait_ready(wave, start)
         return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split)
+
+    def end_request(self, request_id: int) -> None:
+        """The engine is done with `request_id` (finished, aborted or failed): tell the policy."""
+        self.policy.end_request(request_id)
 
     def release(self, batch: ExpertBatch) -> None:
         for s in batch.slots:

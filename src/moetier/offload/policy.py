@@ -5,9 +5,11 @@ A policy only orders keys; it never touches tensors, and it never returns a key 
 
 The cache calls `begin_call(layer, experts)` at the start of every fetch (one wave of one MoE
 layer call), then `touch` per hit, `victim(exclude=wave)` + `remove` per eviction and `insert`
-per load. Keys are `(layer, expert)` pairs (`ExpertKey` in the engine, tuples in the replay).
-Every operation is O(1) or O(log n) amortized (lazy heaps; stale entries are skipped when they
-surface and the heaps are rebuilt when they grow past a few times the live entries).
+per load; a policy whose `wants_routing` is True also gets each token's request id and top-k
+ids with a call's first wave. `end_request(id)` says the engine is done with a request. Keys
+are `(layer, expert)` pairs (`ExpertKey` in the engine, tuples in the replay). Every operation
+is O(1) or O(log n) amortized (lazy heaps; stale entries are skipped when they surface and the
+heaps are rebuilt when they grow past a few times the live entries).
 
 Why layer-aware policies: the engine visits the MoE layers in order every step and all layers
 share one slot pool. A key of layer l used in this step cannot be needed again before the next
@@ -36,6 +38,10 @@ _NO_KEY = "no evictable key: every resident key is in use"
 class Policy:
     """Tracks resident keys and picks an eviction victim among them."""
 
+    # True: the engine's cache builds each call's per-token request ids and routing for
+    # `begin_call` (host lists per MoE layer call; policies that ignore them skip that cost).
+    wants_routing = False
+
     def begin_call(
         self,
         layer: int,
@@ -47,8 +53,13 @@ class Policy:
 
         `requests` and `routing` (optional, with a call's first wave only): each token's
         request id and its top-k expert ids, as a trace record has them. The replay passes
-        them; the engine's cache does not yet (None), so a policy must work without them.
+        them; the engine's cache passes them only when `wants_routing` is True (and `requests`
+        may still be None when the step's request ids are unknown), so a policy must work
+        without them.
         """
+
+    def end_request(self, request_id: int) -> None:
+        """The engine finished (or aborted, or failed) request `request_id` (optional hook)."""
 
     def insert(self, key: Any) -> None:
         raise NotImplementedError

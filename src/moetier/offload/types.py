@@ -53,6 +53,10 @@ class ExpertBatch:
 class ExpertProvider(Protocol):
     """What an MoE layer needs: experts ready to compute with, wherever they live."""
 
+    # True: give `fetch` the call's routing with its first wave (the slot policy learns from
+    # it); False: pass None and build nothing.
+    wants_routing: bool
+
     @property
     def max_batch(self) -> int:
         """Most experts of one layer that can be held ready at once (callers split into waves)."""
@@ -87,8 +91,12 @@ class ExpertProvider(Protocol):
         """Count host time spent waiting for routing ids (the layer's host sync)."""
         ...
 
-    def fetch(self, layer: int, experts: list[int]) -> ExpertBatch:
-        """Make `experts` (distinct, at most max_batch) of `layer` ready on the compute stream."""
+    def fetch(
+        self, layer: int, experts: list[int], routing: Sequence[Sequence[int]] | None = None
+    ) -> ExpertBatch:
+        """Make `experts` (distinct, at most max_batch) of `layer` ready on the compute stream.
+        `routing`: each token's top-k expert ids ([T][K], token order), with the first wave of
+        a layer call only and only when `wants_routing`; later waves of the call pass None."""
         ...
 
     def release(self, batch: ExpertBatch) -> None:
