@@ -118,4 +118,4 @@ def save_json(path: str | Path, result: dict[str, Any]) -> None:
 def _threads_note(s: dict[str, Any]) -> str:
     """' (N threads)' when the run recorded torch's CPU threads (older results did not)."""
     n = s.get("torch_threads")
-    return f" ({n} threads)" if n else ""
+    return f", threads {n}" if n else ""
