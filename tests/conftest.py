@@ -5,6 +5,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# A set OMP_NUM_THREADS makes LLM's auto threads leave torch's count alone (moetier/threads.py):
+# the suite's one thread below holds for every engine the tests build.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 

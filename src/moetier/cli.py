@@ -15,6 +15,7 @@ from moetier.config import format_bytes
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
 from moetier.server.cli import PREFETCH_HELP, add_serve_parser
+from moetier.threads import THREADS_HELP, threads_arg
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")
+    p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         prefetch_ahead=args.prefetch_ahead,
         seed=args.seed or 0,
+        threads=args.threads,
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

@@ -173,3 +173,10 @@ class EngineConfig:
     # to the next, the host deciding fetches and slots in between (engine/graphs.py). None =
     # on with cuda_graphs (H200, DeepSeek-V2-Lite shape, 25%: 104 -> 54 ms a token).
     piecewise_graphs: bool | None = None
+    # Torch CPU threads (threads.py): None = auto on a CPU device (usable cores less the other
+    # work on the machine, at least 1) and torch's own choice on CUDA; an int >= 1 is used as is.
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None:
+            _at_least_1("threads", self.threads, "torch CPU threads; None = auto")

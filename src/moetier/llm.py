@@ -23,6 +23,7 @@ from moetier.config import (
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError, DeviceMemoryError
+from moetier.threads import check_threads
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,13 @@ class LLM:
         max_model_len: int | None = None,
         prefetch: str | None = None,
         prefetch_ahead: int = 1,
+        threads: int | None = None,
     ) -> None:
         # Every setting is checked before any work (the demo build, the checkpoint load).
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         cache = CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len)
         _check_budgets_and_policy(expert_budget, host_budget, policy, prefetch)
+        threads = check_threads(threads)
         offload = OffloadConfig(
             expert_budget, host_budget, policy, prefetch=prefetch, prefetch_ahead=prefetch_ahead
         )
@@ -128,6 +131,7 @@ class LLM:
             fused_kernels=fused_kernels,
             cuda_graphs=cuda_graphs,
             piecewise_graphs=piecewise_graphs,
+            threads=threads,
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = _build_engine(self.config, self.tokenizer)

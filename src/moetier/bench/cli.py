@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Any
 
+from moetier.threads import threads_arg
+
 
 def parse_kv(text: str) -> dict[str, Any]:
     """ "policy=lfu expert_budget=25% moe_grouped_max_bytes=0" -> dict (ints parsed, none=None)."""
@@ -118,7 +120,11 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-trace", default=None, metavar="FILE.jsonl", help="100%% run's trace")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+        "--threads",
+        type=threads_arg,
+        default=None,
+        help="torch CPU threads for moetier and the baselines: an integer >= 1 or auto "
+        "(default: on the CPU, auto's count chosen once at the start; on CUDA, torch's choice)",
     )
     p.add_argument("--no-progress", action="store_true")
 
@@ -186,18 +192,26 @@ def latency_settings(args: argparse.Namespace) -> Any:
     )
 
 
+def bench_threads(requested: int | None, device: str) -> int | None:
+    """Apply the bench's torch threads once, before anything runs: `requested`, or on a CPU
+    device auto's count now (not per budget: a later budget would count the bench's own load);
+    None (torch's choice) on CUDA unless requested."""
+    from moetier.bench.latency import resolve_device
+    from moetier.threads import configure_threads
+
+    return configure_threads(requested, resolve_device(device))
+
+
 def cmd_latency(args: argparse.Namespace) -> int:
     from moetier.bench.latency import run_latency
     from moetier.bench.report import latency_table, save_json
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    settings = latency_settings(args)
+    threads = bench_threads(args.threads, settings.device)
+    if threads is not None:  # every budget's LLM and the baselines run on the same count
+        settings.llm_kwargs.setdefault("threads", threads)
     save = args.save_result
-    result = run_latency(
-        latency_settings(args), (lambda partial: save_json(save, partial)) if save else None
-    )
+    result = run_latency(settings, (lambda partial: save_json(save, partial)) if save else None)
     print(latency_table(result))
     if args.save_result:
         save_json(args.save_result, result)

@@ -253,6 +253,7 @@ def settings_record(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         device_type=device.type,
         torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
         routing_source=routing,
         prefetch=str(s.llm_kwargs.get("prefetch", "off")),
         kv_budget=str(s.llm_kwargs.get("num_kv_blocks", "default (engine's KV bytes)")),

@@ -48,7 +48,8 @@ def _cell(value: Any, fmt: str) -> str:
 def settings_line(s: dict[str, Any]) -> str:
     return (
         f"model {s['shape']} ({s['weights']}, {s['model_num_layers']} layers), "
-        f"{s['device_name']}, dtype {s['dtype']}, torch {s['torch']}, policy {s['policy']}, "
+        f"{s['device_name']}, dtype {s['dtype']}, torch {s['torch']}"
+        f"{_threads_note(s)}, policy {s['policy']}, "
         f"prefetch {s['prefetch']}, host budget {s['host_budget'] or 'default'}, "
         f"routing: {s['routing_source']}; batch {s['batch_size']}, input {s['input_len']}, "
         f"output {s['output_len']}, prompts {s['num_prompts']}, warmup {s['warmup']}, "
@@ -112,3 +113,9 @@ def _clean(obj: Any) -> Any:
 def save_json(path: str | Path, result: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(_clean(result), indent=1) + "\n")
+
+
+def _threads_note(s: dict[str, Any]) -> str:
+    """' (N threads)' when the run recorded torch's CPU threads (older results did not)."""
+    n = s.get("torch_threads")
+    return f", threads {n}" if n else ""

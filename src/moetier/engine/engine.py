@@ -15,12 +15,13 @@ import torch
 from moetier.config import EngineConfig
 from moetier.core import CompletionOutput, Request, RequestOutput, SamplingParams
 from moetier.engine.batch import ScheduledRequest, SchedulerOutput
-from moetier.engine.model_runner import ModelRunner
+from moetier.engine.model_runner import ModelRunner, resolve_device
 from moetier.engine.outputs import RequestDelta, TokenLogprob
 from moetier.engine.sampler import Sampler
 from moetier.engine.scheduler import Scheduler
 from moetier.engine.stopping import StopChecker
 from moetier.errors import ConfigError
+from moetier.threads import configure_threads
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         self.config = config
+        # Before the load: reading and converting the checkpoint already runs on these threads.
+        self.threads = configure_threads(config.threads, resolve_device(config.device))
         self.runner = ModelRunner(config)
         self.tokenizer = tokenizer
         self.blocks = self.runner.kv_cache.blocks

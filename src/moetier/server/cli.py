@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.threads import THREADS_HELP, threads_arg
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
                    help="MoE layers ahead to prefetch")  # fmt: skip
+    p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
     p.add_argument(_PUBLIC_FLAG, action="store_true",
@@ -172,6 +174,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         num_kv_blocks=args.num_kv_blocks,
         kv_block_size=args.kv_block_size,
         max_model_len=args.max_model_len,
+        threads=args.threads,
     )
 
 

@@ -47,6 +47,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_block_size: int = 16
     max_model_len: int | None = None
+    threads: int | None = None  # torch CPU threads; None = auto (threads.py)
 
 
 @dataclass
@@ -113,6 +114,7 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             num_kv_blocks=args.num_kv_blocks,
             kv_block_size=args.kv_block_size,
             max_model_len=args.max_model_len,
+            threads=args.threads,
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which exits
         out_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
