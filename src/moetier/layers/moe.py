@@ -208,6 +208,21 @@ class MoEBlock(nn.Module):
         weights: torch.Tensor,
     ) -> None:
         """One expert at a time: matches the reference's summation order exactly."""
+        if x.shape[0] == 1 and not x.is_cuda:
+            self._one_token_loop(x, out, batch, spans, kpos, weights)
+        else:
+            self._pair_loop(x, out, batch, spans, tokens, kpos, weights)
+
+    def _pair_loop(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch: ExpertBatch,
+        spans: list[tuple[int, int]],
+        tokens: torch.Tensor,
+        kpos: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
         for (a, b), gate_up, down in zip(spans, batch.gate_up, batch.down):
             tok = tokens[a:b]
             h = F.linear(x[tok], gate_up)  # [n, 2I]
@@ -215,6 +230,25 @@ class MoEBlock(nn.Module):
             y = F.linear(self.act(g) * u, down)  # [n, D]
             y = y * weights[tok, kpos[a:b], None]
             out.index_add_(0, tok, y.to(out.dtype))
+
+    def _one_token_loop(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        batch: ExpertBatch,
+        spans: list[tuple[int, int]],
+        kpos: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
+        """`_wave_loop` for a one-token call on the CPU: the same products and the same adds in
+        the same order, without the per-expert gather of rows and scatter of results."""
+        pos = kpos.tolist()  # the routing slot of each pair, pairs in ascending expert order
+        for (a, _), gate_up, down in zip(spans, batch.gate_up, batch.down):
+            h = F.linear(x, gate_up)  # [1, 2I]
+            g, u = h.chunk(2, dim=-1)
+            y = F.linear(self.act(g) * u, down)  # [1, D]
+            j = pos[a]
+            out += (y * weights[:, j : j + 1]).to(out.dtype)
 
     def _wave_grouped(
         self,
