@@ -169,3 +169,31 @@ def test_cache_drops_request_ids_that_are_not_the_calls_tokens(ckpt: Path) -> No
     cache.token_requests = [3, 4]
     cache.release(cache.fetch(layer, [1, 2], [[1, 2], [2, 1]]))
     assert [c[2] for c in spy.calls] == [None, [3, 4]]
+
+
+def test_activation_predictor_learns_each_finished_request(ckpt: Path) -> None:
+    """With `prefetch="activation"` the predictor's tracker is told when a request ends too:
+    both requests join its library and none stays active."""
+    llm = LLM(
+        str(ckpt),
+        expert_budget=min_budget(ckpt),
+        prefetch="activation",
+        device="cpu",
+        dtype="float32",
+        progress=False,
+    )
+    prefetcher = llm.engine.runner.prefetcher
+    assert prefetcher is not None
+    ended: list[int] = []
+    end = prefetcher.predictor.end_request
+
+    def spy(request_id: int) -> None:
+        ended.append(request_id)
+        end(request_id)
+
+    prefetcher.predictor.end_request = spy  # type: ignore[method-assign]
+    _generate(llm)
+    tracker = prefetcher.predictor.tracker  # type: ignore[attr-defined]
+    assert ended == [70, 71]
+    assert tracker.active == [] and tracker.library_size == 2
+    llm.engine.check_integrity()

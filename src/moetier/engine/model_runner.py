@@ -247,5 +247,8 @@ class ModelRunner:
         return self.kv_cache.free(request_id)
 
     def end_request(self, request_id: int) -> None:
-        """The request is finished, aborted or failed: the slot policy may learn from it."""
+        """The request is finished, aborted or failed: the slot policy and the predictor may
+        learn from it."""
         self.expert_cache.end_request(request_id)
+        if self.prefetcher is not None:
+            self.prefetcher.end_request(request_id)

@@ -75,6 +75,9 @@ class Predictor:
             return []
         return self._predict(layer, target, n, hidden)[:n]
 
+    def end_request(self, request_id: int) -> None:
+        """The engine is done with `request_id` (finished, aborted or failed); optional hook."""
+
     def reset(self) -> None:
         self._layers = sorted(self._fixed_layers or [])
         self._index = {la: i for i, la in enumerate(self._layers)}
@@ -173,6 +176,9 @@ class ActivationPredictor(Predictor):
 
     def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
         return self.tracker.top_experts(target, self._active, n)
+
+    def end_request(self, request_id: int) -> None:
+        self.tracker.end_request(request_id)  # its matrix joins the library now
 
     def _reset(self) -> None:
         from moetier.offload.activation import ActivationTracker

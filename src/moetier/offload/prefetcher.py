@@ -43,6 +43,9 @@ class Prefetcher:
             if guess:
                 self.provider.prefetch(target, guess)
 
+    def end_request(self, request_id: int) -> None:
+        self.predictor.end_request(request_id)
+
 
 def build_predictor(name: str, moe_blocks: Sequence[Any]) -> Predictor:
     """A predictor by registry name for a model's MoE blocks (anything with `.layer`; a
