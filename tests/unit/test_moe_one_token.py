@@ -28,7 +28,9 @@ def test_one_token_loop_equals_pair_loop(dtype: torch.dtype) -> None:
     batch = SimpleNamespace(gate_up=[w[e] for e in experts], down=[v[e] for e in experts])
     spans = [(i, i + 1) for i in range(k)]
     want = torch.zeros_like(x)
-    block._pair_loop(x, want, batch, spans, tokens, kpos, weights)  # type: ignore[arg-type]
+    block.one_token_loop = False  # the per-pair form: gather rows, scatter results
+    block._wave_loop(x, want, batch, spans, tokens, kpos, weights)  # type: ignore[arg-type]
+    block.one_token_loop = True
     got = torch.zeros_like(x)
     block._wave_loop(x, got, batch, spans, tokens, kpos, weights)  # type: ignore[arg-type]
     assert torch.equal(got, want)

@@ -219,39 +219,17 @@ def down(
 ) -> None:
     t, k = slots.shape
     d = out.shape[1]
+    tile = dict(
+        BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
+    )  # fmt: skip
+    rows = triton.cdiv(d, cfg.down_bn)
     if cfg.split_down:
         y = torch.empty(t * k, d, dtype=out.dtype, device=out.device)  # [P, D]
-        _down_pair[(t * k, triton.cdiv(d, cfg.down_bn))](
-            h,
-            pool,
-            slots,
-            weights,
-            y,
-            d,
-            inter,
-            pool.stride(0),
-            BLOCK_N=cfg.down_bn,
-            BLOCK_K=cfg.down_bk,
-            num_warps=cfg.down_warps,
-            num_stages=cfg.down_stages,
-        )
+        _down_pair[(t * k, rows)](h, pool, slots, weights, y, d, inter, pool.stride(0), **tile)
         _combine[(t, triton.cdiv(d, 512))](y, out, k, d, BLOCK=512, num_warps=4)
     else:
-        _down_combine[(t, triton.cdiv(d, cfg.down_bn))](
-            h,
-            pool,
-            slots,
-            weights,
-            out,
-            k,
-            d,
-            inter,
-            pool.stride(0),
-            BLOCK_N=cfg.down_bn,
-            BLOCK_K=cfg.down_bk,
-            num_warps=cfg.down_warps,
-            num_stages=cfg.down_stages,
-        )
+        _down_combine[(t, rows)](h, pool, slots, weights, out, k, d, inter, pool.stride(0), **tile)
 
 
 def expert_ffn_triton(

@@ -53,6 +53,7 @@ class MoEBlock(nn.Module):
         # Fast path switch: compute a wave with one gather and two bmm when its (token, expert)
         # pairs' weights fit in this many bytes; 0 = always the per-expert loop (CPU default).
         self.grouped_max_bytes = 0
+        self.one_token_loop = True  # the per-expert loop's one-token CPU form (False: tests)
         # Fast path switch: compute with the slot-reading kernel (kernels/expert_ffn.py) when the
         # step has at most this many (token, expert) pairs and they fit in the slot pool at once;
         # 0 = off. With every expert resident this path needs no host sync at all.
@@ -207,48 +208,20 @@ class MoEBlock(nn.Module):
         kpos: torch.Tensor,
         weights: torch.Tensor,
     ) -> None:
-        """One expert at a time: matches the reference's summation order exactly."""
-        if x.shape[0] == 1 and not x.is_cuda:
-            self._one_token_loop(x, out, batch, spans, kpos, weights)
-        else:
-            self._pair_loop(x, out, batch, spans, tokens, kpos, weights)
-
-    def _pair_loop(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        batch: ExpertBatch,
-        spans: list[tuple[int, int]],
-        tokens: torch.Tensor,
-        kpos: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> None:
+        """One expert at a time: matches the reference's summation order exactly. One token on
+        the CPU skips the per-expert gather of rows and scatter of results (same products, same
+        adds in the same order)."""
+        one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
+        pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
         for (a, b), gate_up, down in zip(spans, batch.gate_up, batch.down):
             tok = tokens[a:b]
-            h = F.linear(x[tok], gate_up)  # [n, 2I]
+            h = F.linear(x if one else x[tok], gate_up)  # [n, 2I]
             g, u = h.chunk(2, dim=-1)
             y = F.linear(self.act(g) * u, down)  # [n, D]
-            y = y * weights[tok, kpos[a:b], None]
-            out.index_add_(0, tok, y.to(out.dtype))
-
-    def _one_token_loop(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        batch: ExpertBatch,
-        spans: list[tuple[int, int]],
-        kpos: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> None:
-        """`_wave_loop` for a one-token call on the CPU: the same products and the same adds in
-        the same order, without the per-expert gather of rows and scatter of results."""
-        pos = kpos.tolist()  # the routing slot of each pair, pairs in ascending expert order
-        for (a, _), gate_up, down in zip(spans, batch.gate_up, batch.down):
-            h = F.linear(x, gate_up)  # [1, 2I]
-            g, u = h.chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, down)  # [1, D]
-            j = pos[a]
-            out += (y * weights[:, j : j + 1]).to(out.dtype)
+            if one:
+                out += (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
+            else:
+                out.index_add_(0, tok, (y * weights[tok, kpos[a:b], None]).to(out.dtype))
 
     def _wave_grouped(
         self,
