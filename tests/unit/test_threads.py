@@ -15,17 +15,7 @@ from moetier.config import EngineConfig
 from moetier.errors import ConfigError
 from moetier.server.cli import _engine_args as engine_args
 from tests.models.parity import make_checkpoint
-
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=256,
-)
+from tests.unit.test_cli import TINY
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moetier.offload.expert_cache import ExpertCache, Load
+    from moetier.offload.expert_cache import ExpertCache
+    from moetier.offload.transfer import Load
 
 
 def cancel(cache: ExpertCache, load: Load) -> None:

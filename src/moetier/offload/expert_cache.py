@@ -33,9 +33,8 @@ from moetier.offload.transfer import (
     ON_DEMAND,
     PREFETCH,
     Copier,
-    CopyJob,
     CudaCopier,
-    ReadJob,
+    Load,
     ReadPool,
     SyncCopier,
     TransferEngine,
@@ -44,19 +43,6 @@ from moetier.offload.types import ExpertBatch, ExpertKey
 from moetier.weights.experts import ExpertShape
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Load:
-    """One expert on its way into one slot: a disk read, then a host->slot copy."""
-
-    key: ExpertKey
-    slot: int | None  # None once detached (cancelled while its read into a host row runs)
-    priority: int
-    direct: bool = False  # the read goes straight into the slot (CPU, no host tier)
-    row: int | None = None  # host row read into / copied from; held while the load uses it
-    read: ReadJob | None = None
-    copy: CopyJob | None = None
 
 
 @dataclass

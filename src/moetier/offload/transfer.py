@@ -24,6 +24,8 @@ a chunk at a time keeps prefetches cancellable until issued and bounds how long 
 Reads. `ReadPool` runs disk reads on up to `threads` background threads, on-demand first; a
 waiter whose read has not started runs it itself (no hand-off latency for a lone miss). Threads
 start on demand and exit when idle, so an unused pool costs nothing.
+
+`Load` (at the end) is the unit the expert cache schedules: one expert's read, then its copy.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from moetier.offload.types import ExpertKey
 
 ON_DEMAND = 0  # a step waits for it
 PREFETCH = 1  # a guess: below every on-demand transfer, cancellable until issued
@@ -420,3 +424,16 @@ class ReadPool:
 
 def _done_fn() -> None:
     raise AssertionError("a read job ran twice")
+
+
+@dataclass(eq=False)
+class Load:
+    """One expert on its way into one slot: a disk read, then a host->slot copy."""
+
+    key: ExpertKey
+    slot: int | None  # None once detached (cancelled while its read into a host row runs)
+    priority: int
+    direct: bool = False  # the read goes straight into the slot (CPU, no host tier)
+    row: int | None = None  # host row read into / copied from; held while the load uses it
+    read: ReadJob | None = None
+    copy: CopyJob | None = None
