@@ -214,11 +214,11 @@ class MoEBlock(nn.Module):
         one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
         pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
         for (a, b), gate_up, down in zip(spans, batch.gate_up, batch.down):
-            tok = tokens[a:b]
-            h = F.linear(x if one else x[tok], gate_up)  # [n, 2I]
+            tok = None if one else tokens[a:b]
+            h = F.linear(x if tok is None else x[tok], gate_up)  # [n, 2I]
             g, u = h.chunk(2, dim=-1)
             y = F.linear(self.act(g) * u, down)  # [n, D]
-            if one:
+            if tok is None:
                 out += (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:
                 out.index_add_(0, tok, (y * weights[tok, kpos[a:b], None]).to(out.dtype))
