@@ -80,8 +80,27 @@ def latency_table(result: dict[str, Any]) -> str:
             )
     for note in result.get("notes", []):
         lines.append(f"\nnote: {note}")
+    lines.extend(_prefetch_lines(result["configs"]))
     lines.extend(_top_kernels(result["configs"]))
     return "\n".join(lines)
+
+
+def _prefetch_lines(configs: list[dict[str, Any]]) -> list[str]:
+    """Per configuration that prefetched: issued / used before eviction / in time / cancelled
+    over the timed decode steps, and the bytes moved for prefetches never used."""
+    out: list[str] = []
+    for cfg in configs:
+        issued = cfg.get("prefetches_issued") or 0
+        if not issued:
+            continue
+        out.append(
+            f"\nprefetch, {cfg.get('routing', '')} {cfg.get('budget', '')}: issued {issued}, "
+            f"used {cfg.get('prefetches_used', 0)} ({cfg.get('prefetches_used', 0) / issued:.0%}), "
+            f"in time {cfg.get('prefetches_in_time', 0)}, cancelled "
+            f"{cfg.get('prefetches_cancelled', 0)}, wasted "
+            f"{(cfg.get('prefetch_wasted_bytes') or 0) / 1e6:.1f} MB"
+        )
+    return out
 
 
 def _top_kernels(configs: list[dict[str, Any]], top: int = 8) -> list[str]:
