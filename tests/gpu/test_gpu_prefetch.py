@@ -1,5 +1,5 @@
-"""Prefetch on CUDA: slot ready events are honoured, prefetch adds no host sync on the compute
-thread, and the pinned host tier is exactly its budget.
+"""Prefetch on CUDA: slot ready events are honoured and prefetch adds no host sync on the
+compute thread (the pinned host tier: tests/gpu/test_gpu_pinned.py).
 
 - Ready events: every copy on the copy stream is delayed by a GPU sleep, so a layer that read a
   slot before its copy finished would compute with stale weights. Tokens and prompt logits with
@@ -7,9 +7,6 @@ thread, and the pinned host tier is exactly its budget.
   prefetch off bitwise.
 - Syncs: the same count of host syncs per decode step with prefetch on as off (the pump
   thread's waits are on its own thread, not counted).
-- Pinned bytes: the host tier is page-locked with cudaHostRegister, exactly rows x expert
-  bytes; PyTorch's caching host allocator (which rounds a block up to a power of two) does not
-  grow by it.
 
 Run on the GPU machine with `bash scripts/gpu_check.sh`.
 """

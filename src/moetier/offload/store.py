@@ -11,12 +11,15 @@ may run on a background thread, and it touches no bookkeeping.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
+import warnings
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from moetier.config import format_bytes
 from moetier.offload.policy import make_policy
 from moetier.offload.stats import OffloadStats
 from moetier.offload.types import ExpertKey
@@ -28,19 +31,71 @@ log = logging.getLogger(__name__)
 def alloc_host_rows(
     rows: int, numel: int, dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, int]:
-    """[rows, numel] host buffer and how many bytes of it are asked to be page-locked.
+    """[rows, numel] host buffer and how many bytes of it are page-locked (exactly its size).
 
-    Pinned through `pin_memory=True` (PyTorch's caching host allocator, which may round a block
-    up to a power of two: `torch.cuda.host_memory_stats()` shows what it really took). A plain
-    buffer registered with `cudaHostRegister` would lock exactly its size, but on the H200 the
-    GPU parity suite then failed with `invalid argument` on later copies once several engines
-    had come and gone in one process (a registration outliving its buffer), so it is not used
-    until its lifetime is tied to the buffer's memory, not to one tensor object.
+    `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which
+    rounds a block up to a power of two (a 40 GiB host tier would lock 64 GiB). Instead the rows
+    live in anonymous page-aligned memory registered with `cudaHostRegister` (`LockedPages`);
+    copies from it are truly asynchronous. PyTorch's `host_memory_stats()` does not count it.
+    Falls back to `pin_memory=True` (logged) when registering fails.
     """
-    nbytes = rows * numel * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = rows * numel * itemsize
     if not pin or nbytes == 0:
         return torch.empty(rows, numel, dtype=dtype), 0
-    return torch.empty(rows, numel, dtype=dtype, pin_memory=True), nbytes
+    try:
+        pages = LockedPages(nbytes)
+    except Exception as exc:  # no CUDA binding, a failed mmap or registration
+        log.warning(
+            "page-locking %s of host tier with cudaHostRegister failed (%s); using "
+            "pin_memory() (the caching host allocator may round it up to a power of two)",
+            format_bytes(nbytes),
+            exc,
+        )
+        return torch.empty(rows, numel, dtype=dtype, pin_memory=True), nbytes
+    return pages.tensor(dtype).view(rows, numel), nbytes
+
+
+class LockedPages(mmap.mmap):
+    """Anonymous page-aligned host memory, registered with CUDA (page-locked) for exactly its
+    size from creation until the last tensor over it is freed.
+
+    Tensors come from `torch.frombuffer`, which keeps this object alive as long as their
+    storage lives; the registration ends in `__del__`, after a device sync (no copy can still
+    read the pages) and before the pages are unmapped, so a later allocation at the same
+    address never meets a stale registration.
+    """
+
+    _ptr = 0
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer's note on buffers it does not own
+            ptr = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err:
+            raise RuntimeError(f"cudaHostRegister returned cudaError {err}")
+        self._ptr = ptr
+
+    def __new__(cls, nbytes: int) -> LockedPages:
+        return super().__new__(cls, -1, nbytes)
+
+    def tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer as a flat tensor of `dtype` (keeps this object alive)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(self, dtype=dtype)
+
+    def __del__(self) -> None:
+        if not self._ptr:
+            return
+        ptr, self._ptr = self._ptr, 0
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # interpreter shutdown: CUDA may be gone; the process ends anyway
+            pass
 
 
 class HostTier:
