@@ -39,3 +39,22 @@ def test_side_settings_split() -> None:
     s = side_settings(GateSettings({}, kv), kv, "tiny-qwen3", 3)
     assert (s.policy, s.budgets, s.seed, s.synthetic) == ("lfu", ["100%", "10%"], 3, "tiny-qwen3")
     assert s.llm_kwargs == {"moe_grouped_max_bytes": 0, "prefetch": None}
+
+
+def _prefetch_pair(misses_b: float, misses_c: float, ec: float, issued: int = 5) -> dict:
+    pair = _pair("p", 2.0, ec, 100, 100)
+    pair["baseline"].update(misses_per_token=misses_b, prefetches_issued=0)
+    pair["candidate"].update(misses_per_token=misses_c, prefetches_issued=issued)
+    return pair
+
+
+def test_on_demand_misses_stay_the_fastest_class() -> None:
+    # baseline 2.0 ms over 4 misses = 0.5 ms a miss
+    assert judge([_prefetch_pair(4.0, 2.0, 1.0)], 0.05) == ("SHIP", [])  # 0.5 ms a miss
+    verdict, why = judge([_prefetch_pair(4.0, 2.0, 1.5)], 0.05)  # 0.75 ms a miss: slower
+    assert verdict == "NO-SHIP"
+    assert why == ["p seed 0: an on-demand miss waits longer beyond noise (0.750 vs 0.500 ms)"]
+    # no prefetch on either side: the rule does not apply
+    assert judge([_prefetch_pair(4.0, 2.0, 1.5, issued=0)], 0.05) == ("SHIP", [])
+    # no misses left: nothing to compare
+    assert judge([_prefetch_pair(4.0, 0.0, 1.5)], 0.05) == ("SHIP", [])

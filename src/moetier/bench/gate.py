@@ -5,10 +5,13 @@ the same latency protocol on every (shape, seed) pair, alternating which side go
 verdict is SHIP only when the candidate
   1. lowers exposed fetch time per token over all pairs together (sum), and is not higher
      than the baseline by more than the noise threshold in any pair, and
-  2. does not lower tokens/s by more than the noise threshold in any pair.
-The third rule of the protocol (on-demand misses stay the fastest service class) needs a
-prefetcher's counters and is reported as not checked. Every verdict, NO-SHIP included, is
-written as markdown and JSON under the results folder.
+  2. does not lower tokens/s by more than the noise threshold in any pair, and
+  3. keeps on-demand misses the fastest service class: where either side prefetched, the
+     exposed fetch per on-demand miss (a device miss: prefetched keys hit at use are hits, and
+     waits on prefetches still in flight count against the candidate) is not higher than the
+     baseline's by more than the noise threshold in any pair. Without prefetch on either side
+     the rule does not apply and the table says so.
+Every verdict, NO-SHIP included, is written as markdown and JSON under the results folder.
 """
 
 from __future__ import annotations
@@ -94,7 +97,22 @@ def judge(pairs: list[dict[str, Any]], noise: float) -> tuple[str, list[str]]:
             reasons.append(f"{tag}: exposed fetch higher beyond noise")
         if c["tokens_per_s"] < b["tokens_per_s"] * (1 - noise):
             reasons.append(f"{tag}: tokens/s lower beyond noise")
+        wb, wc = miss_wait_ms(b), miss_wait_ms(c)
+        if prefetched(p) and wb is not None and wc is not None and wc > wb * (1 + noise):
+            reasons.append(
+                f"{tag}: an on-demand miss waits longer beyond noise ({wc:.3f} vs {wb:.3f} ms)"
+            )
     return ("SHIP" if not reasons else "NO-SHIP"), reasons
+
+
+def prefetched(pair: dict[str, Any]) -> bool:
+    return any(pair[side].get("prefetches_issued", 0) > 0 for side in ("baseline", "candidate"))
+
+
+def miss_wait_ms(row: dict[str, Any]) -> float | None:
+    """Exposed fetch per on-demand (device) miss, ms; None without misses."""
+    misses = row.get("misses_per_token") or 0.0
+    return row["exposed_fetch_ms_per_token"] / misses if misses > 0 else None
 
 
 def gate_table(g: GateSettings, pairs: list[dict[str, Any]], verdict: str, why: list[str]) -> str:
@@ -121,8 +139,20 @@ def gate_table(g: GateSettings, pairs: list[dict[str, Any]], verdict: str, why: 
         )
     lines += ["", f"verdict: **{verdict}**"]
     lines += [f"- {r}" for r in why]
-    lines.append("- not checked: on-demand misses stay the fastest service class (no prefetcher)")
+    if any(prefetched(p) for p in pairs):
+        waits = ", ".join(
+            f"{p['shape']} seed {p['seed']}: {_ms(miss_wait_ms(p['baseline']))} -> "
+            f"{_ms(miss_wait_ms(p['candidate']))}"
+            for p in pairs
+        )
+        lines.append(f"- exposed fetch per on-demand miss, ms (rule 3): {waits}")
+    else:
+        lines.append("- rule 3 (on-demand misses stay the fastest class): no prefetch here")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _kv(d: dict[str, Any]) -> str:
