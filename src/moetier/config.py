@@ -101,6 +101,10 @@ class OffloadConfig:
     # most one chunk of prefetch on the copy stream.
     transfer_chunk_bytes: int = 8 << 20
     io_threads: int = 2  # background threads reading experts from disk (on-demand first)
+    # CPU without a host tier: a fetch returns while its misses are still read (on the read
+    # threads) and the MoE loop computes the experts already in place first (same sums, same
+    # order). False: every miss is read before fetch returns.
+    late_reads: bool = True
 
     def __post_init__(self) -> None:
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")

@@ -104,6 +104,7 @@ class LLM:
         prefetch: str | None = None,
         prefetch_ahead: int = 1,
         threads: int | None = None,
+        late_reads: bool = True,
     ) -> None:
         # Every setting is checked before any work (the demo build, the checkpoint load).
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
@@ -111,7 +112,12 @@ class LLM:
         _check_budgets_and_policy(expert_budget, host_budget, policy, prefetch)
         threads = check_threads(threads)
         offload = OffloadConfig(
-            expert_budget, host_budget, policy, prefetch=prefetch, prefetch_ahead=prefetch_ahead
+            expert_budget,
+            host_budget,
+            policy,
+            prefetch=prefetch,
+            prefetch_ahead=prefetch_ahead,
+            late_reads=late_reads,
         )
         if model is None:
             from moetier.demo.builder import ensure_demo_model

@@ -140,6 +140,7 @@ class MoEBlock(nn.Module):
         batch = provider.fetch(self.layer, experts, rows if provider.wants_routing else None)
         try:
             self._prefetch(host_ids, hidden)
+            batch.ready_all()  # the kernel reads every slot (late reads: CPU only)
             slot_of = dict(zip(batch.experts, batch.slots))
             slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
         except BaseException:
@@ -210,18 +211,30 @@ class MoEBlock(nn.Module):
     ) -> None:
         """One expert at a time: matches the reference's summation order exactly. One token on
         the CPU skips the per-expert gather of rows and scatter of results (same products, same
-        adds in the same order)."""
+        adds in the same order). With late reads (CPU) the experts already in place are
+        computed first while the others are read; every expert's term is still added in
+        ascending expert order."""
         one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
         pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
-        for (a, b), gate_up, down in zip(spans, batch.gate_up, batch.down):
+        gate_ups, downs = batch.gate_up, batch.down
+        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # late batches only
+        for i in batch.compute_order():
+            batch.ready(i)
+            a, b = spans[i]
             tok = None if one else tokens[a:b]
-            h = F.linear(x if tok is None else x[tok], gate_up)  # [n, 2I]
+            h = F.linear(x if tok is None else x[tok], gate_ups[i])  # [n, 2I]
             g, u = h.chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, down)  # [n, D]
+            y = F.linear(self.act(g) * u, downs[i])  # [n, D]
             if tok is None:
-                out += (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
+                term = (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:
-                out.index_add_(0, tok, (y * weights[tok, kpos[a:b], None]).to(out.dtype))
+                term = (y * weights[tok, kpos[a:b], None]).to(out.dtype)
+            if batch.late or held:
+                held[i] = (tok, term)
+            else:
+                _add(out, tok, term)
+        for i in sorted(held):
+            _add(out, *held[i])
 
     def _wave_grouped(
         self,
@@ -241,6 +254,7 @@ class MoEBlock(nn.Module):
         ascending expert order, one rounding per add, exactly like the per-expert loop: in bf16
         a different order flips near-tied routing decisions in later layers.
         """
+        batch.ready_all()
         pos = [p for a, b in spans for p in range(a, b)]
         pair_slots = [s for (a, b), s in zip(spans, batch.slots) for _ in range(b - a)]
         # rank = how many of this token's pairs come before it in the wave (ascending expert)
@@ -273,6 +287,14 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x)
+
+
+def _add(out: torch.Tensor, tok: torch.Tensor | None, term: torch.Tensor) -> None:
+    """Add one expert's weighted output to its tokens' rows (all rows when `tok` is None)."""
+    if tok is None:
+        out += term
+    else:
+        out.index_add_(0, tok, term)
 
 
 def moe_config(config: Any) -> tuple[int, int, int]:

@@ -82,6 +82,7 @@ def build_tiers(
             cfg.policy,
             chunk_bytes=cfg.transfer_chunk_bytes,
             io_threads=cfg.io_threads,
+            late_reads=cfg.late_reads,
         )
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)

@@ -7,7 +7,10 @@ the transfer engine's read threads), never decides what to compute or what to pr
 A load brings one expert into one slot: a disk read (into a host row, or straight into a CPU
 slot when there is no host tier), then a host->slot copy. On-demand loads (a fetch's misses)
 are finished before fetch returns: their reads run in parallel on the read pool, each copy is
-issued as soon as its read is done, and the compute stream waits on the copies' events.
+issued as soon as its read is done, and the compute stream waits on the copies' events. On a
+CPU without a host tier (reads go straight into slots) a fetch with `late_reads` returns while
+its misses are still read on the read threads; the batch's `ready(i)` waits for one, and
+`release` settles whatever is left (and hands back the slots of failed reads).
 Prefetch loads run at low priority and are moved on whenever the cache is called (never
 blocking); a fetch that needs one promotes it and waits on its event like a miss's.
 """
@@ -74,6 +77,7 @@ class ExpertCache:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int = 2,
         copier: Copier | None = None,
+        late_reads: bool = False,
     ) -> None:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
         pumped on every cache call, one prefetch chunk in flight)."""
@@ -99,6 +103,9 @@ class ExpertCache:
                 own, chunk_bytes, window=1 if self.cuda else None, background=self.cuda
             )
         self.reads = ReadPool(io_threads)
+        # CPU, no host tier: fetch may return before its misses' reads finish (module doc).
+        self.late_reads = late_reads and not self.cuda and not host.capacity
+        self._late_failed: list[Load] = []  # late loads whose read failed, dropped at release
         self.slot_free_event: dict[int, Any] = {}  # last compute use of a slot (CUDA)
         self._detached: list[Load] = []
         self._last_layer: int | None = None
@@ -190,7 +197,9 @@ class ExpertCache:
                     wave.pending.append(slot)
                 self.table.pin(slot)
                 wave.slots.append(slot)
-            self._complete(wave)
+            late = self._go_late(wave)
+            if not late:
+                self._complete(wave)
         except BaseException:  # loads left behind finish in the background
             self.reads.start([ld.read for ld in self._loads_of(wave.pending) if ld.read])
             for s in wave.slots:
@@ -200,7 +209,11 @@ class ExpertCache:
             self._fail_wave(wave)
         if wave.waits:
             self.stats.miss_host_s += time.perf_counter() - start
-        self._wait_ready(wave, start)
+        self._wait_ready(wave, start, late)
+        if late:
+            return ExpertBatch(
+                layer, experts, wave.slots, self.slots, self.shape.split, late, self._finish_late
+            )
         return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split)
 
     def end_request(self, request_id: int) -> None:
@@ -208,8 +221,15 @@ class ExpertCache:
         self.policy.end_request(request_id)
 
     def release(self, batch: ExpertBatch) -> None:
+        for i in sorted(batch.late):  # late reads the caller never waited for (it raised)
+            # a failed read is recorded in _late_failed; the caller's own error is on its way
+            with contextlib.suppress(Exception):
+                batch.ready(i)
         for s in batch.slots:
             self.table.unpin(s)
+        for load in self._late_failed:
+            self._drop(load)
+        self._late_failed.clear()
         if not self.cuda:
             return
         done = torch.cuda.Event()
@@ -375,6 +395,8 @@ class ExpertCache:
             return
         self.transfer.pump()
         for slot in loading:
+            if self.table.slots[slot].pins:  # a late load: its batch finishes it
+                continue
             load = self.table.slots[slot].load
             try:
                 self._advance_load(load, urgent=False)
@@ -382,6 +404,35 @@ class ExpertCache:
                 log.debug("prefetch of %s failed: %s", load.key, exc)
                 self.stats.prefetches_cancelled += 1
                 self._drop(load)
+
+    def _go_late(self, wave: _Wave) -> dict[int, int]:
+        """Late reads (module doc): hand the wave's pending reads to the read threads and
+        return {index in the wave: slot} of its slots still loading; {} when the wave's loads
+        are to be finished now. With no expert in place to compute meanwhile, the first read
+        stays queued, so the caller's wait runs it on its own thread (no hand-off)."""
+        if not (self.late_reads and wave.pending):
+            return {}
+        reads = [ld.read for ld in self._loads_of(wave.pending) if ld.read is not None]
+        hits = len(wave.slots) > len(wave.pending)
+        self.reads.start(reads if hits else reads[1:])
+        pending = set(wave.pending)
+        wave.pending.clear()
+        return {i: slot for i, slot in enumerate(wave.slots) if slot in pending}
+
+    def _finish_late(self, slot: int) -> None:
+        """Wait for the late load of `slot` (its read, on this thread if not started); the wait
+        is exposed fetch time. A failed read raises; its slot is handed back at release."""
+        load = self.table.slots[slot].load
+        if load is None:  # finished meanwhile (a later fetch's _advance)
+            return
+        start = time.perf_counter()
+        try:
+            self._advance_load(load, urgent=True)
+        except Exception:
+            self._late_failed.append(load)
+            raise
+        finally:
+            self.stats.exposed_fetch_s += time.perf_counter() - start
 
     def _complete(self, wave: _Wave) -> None:
         """Finish the loads of the wave's pending slots, in order; the first waiting read runs
@@ -449,9 +500,11 @@ class ExpertCache:
             wave.start_event = torch.cuda.Event(enable_timing=True)
             wave.start_event.record(torch.cuda.current_stream(self.device))
 
-    def _wait_ready(self, wave: _Wave, start: float) -> None:
+    def _wait_ready(self, wave: _Wave, start: float, late: dict[int, int]) -> None:
         events = []
-        for slot in wave.slots:
+        for i, slot in enumerate(wave.slots):
+            if i in late:
+                continue
             s = self.table.slots[slot]
             assert s.state is SlotState.READY, f"{s.key} is {s.state.value} after its fetch"
             if s.ready is not None:

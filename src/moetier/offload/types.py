@@ -6,7 +6,7 @@ Imports no engine, server or model code; the MoE layer talks to offload only thr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
 
@@ -26,6 +26,11 @@ class ExpertBatch:
 
     `slots[i]` is the pool row holding `experts[i]`; per-expert weight views are built only
     when asked for (the slot-reading kernel never needs them, and they cost host time).
+
+    Late reads (CPU without a host tier): `late` maps the index of each expert whose disk read
+    was still running when fetch returned to its slot; the caller computes the others first and
+    calls `ready(i)` before it reads expert i's weights (`ready_all()` before reading them all
+    at once). Everywhere else `late` is empty and `ready` does nothing.
     """
 
     layer: int
@@ -34,6 +39,25 @@ class ExpertBatch:
     # The packed slot pool [S, 3*I*D] the slots index.
     pool: torch.Tensor
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    late: dict[int, int] = field(default_factory=dict)
+    waiter: Callable[[int], None] | None = None  # waits for one late slot; raises its error
+
+    def ready(self, i: int) -> None:
+        """Wait until experts[i]'s weights are in place (a no-op unless its read is late)."""
+        slot = self.late.pop(i, None)
+        if slot is not None:
+            assert self.waiter is not None
+            self.waiter(slot)
+
+    def ready_all(self) -> None:
+        for i in sorted(self.late):
+            self.ready(i)
+
+    def compute_order(self) -> list[int]:
+        """Indices with the experts already in place first, then the late ones, ascending."""
+        if not self.late:
+            return list(range(len(self.experts)))
+        return [i for i in range(len(self.experts)) if i not in self.late] + sorted(self.late)
 
     @cached_property
     def _views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
