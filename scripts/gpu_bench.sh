@@ -25,9 +25,6 @@ START=$SECONDS
 OUT=${OUT:-gpu-results}
 WORK="$OUT/bench"
 mkdir -p "$WORK"
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
-export PYTHONUNBUFFERED=1
-export MOETIER_HOME=${MOETIER_HOME:-/tmp/moetier-bench-home}
 SHAPES=${SHAPES:-deepseek-v2-lite qwen3-30b-a3b}
 LAYERS=${LAYERS:-}
 BUDGETS=${BUDGETS:-100%,25%,10%}

@@ -11,9 +11,6 @@ START=$SECONDS
 OUT=${OUT:-gpu-results}
 WORK="$OUT/memory"
 mkdir -p "$WORK"
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
-export PYTHONUNBUFFERED=1
-export MOETIER_HOME=${MOETIER_HOME:-/tmp/moetier-bench-home}
 DEADLINE=${DEADLINE:-540}
 Q3_LAYERS=${Q3_LAYERS:-12}
 PREFETCHES=${PREFETCHES:-last-call activation}
@@ -22,17 +19,6 @@ SHAPES=${SHAPES:-ds q3}
 LOG="$OUT/gpu_memory.log"
 TAG=gpu_memory
 source scripts/gpu_steps.sh
-latency() {  # NAME BENCH_ARGS...
-  local name=$1
-  shift
-  step "$name" python3 -m moetier -v bench latency --input-len 64 --output-len 32 --seed 0 \
-    --warmup 1 --no-progress --dtype bfloat16 --save-result "$WORK/$name.json" "$@"
-  [ -f "$WORK/$name.json" ] && python3 - "$WORK/$name.json" >"$WORK/$name.md" <<'PY'
-import json, sys
-from moetier.bench.report import latency_table
-print(latency_table(json.load(open(sys.argv[1]))))
-PY
-}
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 if [ -n "${GPU_TESTS:-}" ]; then
@@ -46,20 +32,12 @@ for shape in $SHAPES; do
   esac
   step "$shape-generate" python3 -m moetier bench synthetic "${gen[@]}" --seed 0 || continue
   model=$(ls -d "$MOETIER_HOME"/synthetic/"${gen[0]}"*-s0 | head -n 1)
-  common=(--model "$model" --expert-budget 100%,25% --routing "trace:$trace" --policy "$POLICY")
+  common=(--model "$model" --dtype bfloat16 --expert-budget 100%,25% --routing "trace:$trace"
+    --policy "$POLICY")
   latency "$shape-$POLICY-off" "${common[@]}"
   for p in $PREFETCHES; do
     latency "$shape-$POLICY-$p" "${common[@]}" --prefetch "$p"
   done
 done
 
-{
-  echo "# gpu_memory $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  tail -n 3 "$WORK/gpu-tests.log" 2>/dev/null
-  for md in "$WORK"/*.md; do
-    [ -f "$md" ] || continue
-    echo; echo "## $(basename "$md" .md)"; echo; cat "$md"
-  done
-} >"$OUT/summary.md"
-tar czf "$OUT/memory-results.tar.gz" -C "$OUT" memory && rm -rf "$WORK"
-log "done"
+summarize "$WORK/gpu-tests.log"

@@ -19,9 +19,6 @@ START=$SECONDS
 OUT=${OUT:-gpu-results}
 WORK="$OUT/session"
 mkdir -p "$WORK"
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TQDM_DISABLE=1
-export PYTHONUNBUFFERED=1
-export MOETIER_HOME=${MOETIER_HOME:-/tmp/moetier-bench-home}
 DEADLINE=${DEADLINE:-570}
 SERVE_LAYERS=${SERVE_LAYERS:-12}
 SERVE_OUTPUT=${SERVE_OUTPUT:-32}
@@ -30,17 +27,6 @@ TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
 LOG="$OUT/gpu_session.log"
 TAG=gpu_session
 source scripts/gpu_steps.sh
-latency() {  # NAME SHAPE_ARGS... -- BENCH_ARGS...
-  local name=$1
-  shift
-  step "$name" python3 -m moetier -v bench latency --input-len 64 --output-len 32 --seed 0 \
-    --warmup 1 --no-progress --save-result "$WORK/$name.json" "$@"
-  [ -f "$WORK/$name.json" ] && python3 - "$WORK/$name.json" >"$WORK/$name.md" <<'PY'
-import json, sys
-from moetier.bench.report import latency_table
-print(latency_table(json.load(open(sys.argv[1]))))
-PY
-}
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
@@ -82,13 +68,4 @@ else
   log "no .whl-server wheels: serving sweep skipped"
 fi
 
-{
-  echo "# gpu_session $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
-  for md in "$WORK"/*.md; do
-    [ -f "$md" ] || continue
-    echo; echo "## $(basename "$md" .md)"; echo; cat "$md"
-  done
-} >"$OUT/summary.md"
-tar czf "$OUT/session-results.tar.gz" -C "$OUT" session && rm -rf "$WORK"
-log "done"
+summarize "$OUT/gpu_tests.log"
