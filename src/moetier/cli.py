@@ -40,7 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, activation)",
+        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation)",
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")

@@ -11,7 +11,7 @@ from tests.models.families import FAMILIES
 from tests.models.parity import check_parity, min_budget
 
 
-@pytest.mark.parametrize("policy", ["lfru", "least-stale", "activation"])
+@pytest.mark.parametrize("policy", ["lfru", "least-stale", "layer-lru", "activation"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_parity_with_policy(family: str, policy: str, tmp_path: Path) -> None:
     ckpt = FAMILIES[family].checkpoint(tmp_path / family)

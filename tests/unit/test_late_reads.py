@@ -5,6 +5,7 @@ held on events here, so the test decides when each one finishes."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -42,6 +43,13 @@ class HeldReads:
             raise OSError(5, "Input/output error", "model.safetensors")
         return self.real(key, out)
 
+    def started(self, *keys: ExpertKey) -> None:
+        """Wait until each of `keys` has begun its read (on whichever thread)."""
+        deadline = time.monotonic() + 10.0
+        while not set(keys) <= self.thread.keys():
+            assert time.monotonic() < deadline, f"reads of {keys} never started"
+            time.sleep(0.001)
+
     def let_go(self, *keys: ExpertKey) -> None:
         for key in keys or tuple(self.gates):
             self.gates[key].set()
@@ -65,6 +73,7 @@ def test_fetch_returns_before_its_misses_are_read(layout: ExpertLayout) -> None:
         SlotState.LOADING,
     ]
     batch.ready(0)  # in place: returns at once
+    reads.started(K(1, 2), K(1, 3))  # both on the read threads, held there
     reads.let_go(K(1, 3))
     batch.ready(2)
     assert cache.slot_state(K(1, 3)) is SlotState.READY and 2 not in batch.late
@@ -81,10 +90,14 @@ def test_fetch_returns_before_its_misses_are_read(layout: ExpertLayout) -> None:
 
 def test_with_nothing_in_place_the_first_read_runs_on_the_caller(layout: ExpertLayout) -> None:  # noqa: F811
     cache = _cache(layout)
-    reads = HeldReads(cache, held=set())
+    reads = HeldReads(cache, held={K(0, 2)})
     batch = cache.fetch(0, [1, 2])
     assert sorted(batch.late) == [0, 1] and batch.compute_order() == [0, 1]
-    batch.ready_all()
+    reads.started(K(0, 2))  # handed to a read thread at once, held there
+    assert K(0, 1) not in reads.thread  # kept for the caller
+    batch.ready(0)
+    reads.let_go()
+    batch.ready(1)
     assert reads.thread[K(0, 1)] == threading.current_thread().name
     assert reads.thread[K(0, 2)] != threading.current_thread().name
     cache.release(batch)

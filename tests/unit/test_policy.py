@@ -77,6 +77,35 @@ def test_least_stale_prefers_the_layer_just_visited_then_steps_unused() -> None:
     assert p.order() == [(1, 1), (0, 1), (1, 2), (0, 0)]
 
 
+def test_layer_lru_evicts_within_a_layer_at_its_quota_else_from_the_fullest_layer() -> None:
+    p, lru = make_policy("layer-lru"), make_policy("lru")
+    for q in (p, lru):
+        _call(q, 0, "", "01")
+        _call(q, 1, "", "01")
+        _call(q, 0, "0", "")
+        q.begin_call(1, [2])
+    # 4 keys over 2 layers: quota 2; layer 1 holds 2, so it gives up its own least recent key
+    # where LRU would take layer 0's (0, 1)
+    assert lru.victim(exclude={(1, 2)}) == (0, 1)
+    assert p.victim(exclude={(1, 2)}) == (1, 0)
+    assert p.order() == [(1, 0), (1, 1), (0, 1), (0, 0)]
+    assert p.victim(exclude={(1, 0)}) == (1, 1)  # still its own layer first
+    p.remove((1, 0))
+    p.insert((1, 2))
+    # a third layer arrives: quota 4 // 3 = 1, it holds none, so the victim comes from the
+    # layer furthest over quota; both are 1 over: the one called most recently (layer 1)
+    p.begin_call(2, [0])
+    assert p.order() == [(1, 1), (1, 2), (0, 1), (0, 0)]
+    assert p.victim() == (1, 1)
+    p.remove((1, 1))
+    p.insert((2, 0))
+    # 4 // 3 = 1: layer 0 (2 keys) is over by 1, layers 1 and 2 (1 key each) are at quota
+    p.begin_call(1, [3])
+    assert p.victim(exclude={(1, 3)}) == (1, 2)  # layer 1 is at its quota: its own key
+    p.begin_call(2, [1])
+    assert p.victim(exclude={(2, 0), (2, 1)}) == (0, 1)  # own keys in use: the fullest layer
+
+
 def test_lfru_keeps_the_frequent_key_over_the_recent_one_and_remembers_evicted_counts() -> None:
     p = LFRUPolicy()
     _call(p, 0, "", "01")
@@ -138,7 +167,7 @@ def test_every_policy_victim_is_resident_not_excluded_and_first_in_order(name: s
 
 
 def test_unknown_policy_lists_choices() -> None:
-    with pytest.raises(ConfigError, match="activation, least-stale, lfru, lfu, lru"):
+    with pytest.raises(ConfigError, match="activation, layer-lru, least-stale, lfru, lfu, lru"):
         make_policy("belady")
 
 

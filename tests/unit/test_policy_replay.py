@@ -37,7 +37,7 @@ def _records(calls: list[tuple[int, list[int]]]) -> list[TraceRecord]:
 CYCLE = _records([(layer, [0]) for _ in range(4) for layer in range(3)])
 
 
-def test_pool_smaller_than_a_step_lru_thrashes_least_stale_matches_belady() -> None:
+def test_pool_smaller_than_a_step_lru_thrashes_layer_aware_policies_match_belady() -> None:
     got = {}
     for name in sorted(POLICIES):
         r = simulate(CYCLE, 2, make_policy(name), keep_evictions=True)
@@ -47,6 +47,9 @@ def test_pool_smaller_than_a_step_lru_thrashes_least_stale_matches_belady() -> N
         # learns from nothing: step 1 already trusts the reused (0, 0) over (2, 0), whose
         # 0.1 was set before any reuse was seen; from step 2 on it evicts like least-stale
         "activation": (4, [(1, 0), (2, 0), (1, 0), (0, 0), (2, 0), (1, 0)]),
+        # quota 2 // 3 layers = 1 and no layer over it: ties go to the layer called most
+        # recently (its next call is furthest), as least-stale's do
+        "layer-lru": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "least-stale": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "lfru": (3, [(1, 0), (2, 0), (1, 0), (2, 0), (1, 0), (2, 0), (1, 0)]),
         "lfu": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
@@ -60,9 +63,16 @@ SEQUENCE = _records([(0, [e]) for e in [0, 0, 0, 1, 2, 3, 0, 2, 1, 3]])
 
 def test_single_layer_sequence_exact_hits() -> None:
     hits = {name: simulate(SEQUENCE, 3, make_policy(name)).hits for name in sorted(POLICIES)}
-    # one layer: least-stale is LRU; lfru keeps the thrice-used 0 like LFU; activation
-    # learns that the reused key comes back and reaches Belady's 5
-    assert hits == {"activation": 5, "least-stale": 3, "lfru": 4, "lfu": 4, "lru": 3}
+    # one layer: least-stale and layer-lru are LRU; lfru keeps the thrice-used 0 like LFU;
+    # activation learns that the reused key comes back and reaches Belady's 5
+    assert hits == {
+        "activation": 5,
+        "layer-lru": 3,
+        "least-stale": 3,
+        "lfru": 4,
+        "lfu": 4,
+        "lru": 3,
+    }
 
 
 def _calls(seed: int) -> list[tuple[int, list[int]]]:

@@ -57,7 +57,7 @@ def add_demo_parsers(sub: Any) -> None:
     rp.add_argument(
         "--policy",
         default="lru,lfu",
-        help="comma-separated policies (lru, lfu, lfru, least-stale, activation)",
+        help="comma-separated policies (lru, lfu, lfru, least-stale, layer-lru, activation)",
     )
     rp.add_argument(
         "--predictor",

@@ -43,7 +43,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, activation)",
+        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation)",
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
