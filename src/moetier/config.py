@@ -88,13 +88,15 @@ class OffloadConfig:
 
     expert_budget: Budget = None  # device slots; None = every routed expert resident
     host_budget: Budget = None  # host RAM tier; None = all routed experts (CUDA) / 0 (CPU)
-    # Expert-slot policy (offload/policy.py). lfru beats lru on replayed hit rates, but the ship
-    # gate said NO-SHIP on the CPU (bench/results/2026-12-03-gate-policy-lfru-cpu-trace.md).
+    # Expert-slot policy (offload/policy.py). lfru, least-stale and layer-lru beat lru on
+    # replayed hit rates, but the ship gates said NO-SHIP (bench/results/*-gate-policy-*.md:
+    # lfru and layer-lru on the CPU, least-stale on the CPU at batch 1 and on the H200).
     policy: str = "lru"
     pin_host_memory: bool = True  # only applies when the compute device is CUDA
     # Next-layer prefetch (offload/predict.py registry name); None = off, the default until the
-    # ship gate ships a predictor. Only acts when experts are offloaded (never on the
-    # all-resident path). `prefetch_ahead`: how many MoE layers ahead to prefetch for.
+    # ship gate ships a predictor (last-call: NO-SHIP on the H200, 2026-12-03). Only acts when
+    # experts are offloaded (never on the all-resident path). `prefetch_ahead`: how many MoE
+    # layers ahead to prefetch for.
     prefetch: str | None = None
     prefetch_ahead: int = 1
     # Prefetch copies move in chunks of this many bytes, so an on-demand miss waits behind at
@@ -103,7 +105,8 @@ class OffloadConfig:
     io_threads: int = 2  # background threads reading experts from disk (on-demand first)
     # CPU without a host tier: a fetch returns while its misses are still read (on the read
     # threads) and the MoE loop computes the experts already in place first (same sums, same
-    # order). False: every miss is read before fetch returns.
+    # order). False: every miss is read before fetch returns. The CPU ship gate said SHIP at
+    # batch 1 and 4 (bench/results/2026-12-03-gate-late-reads-cpu-trace-b{1,4}.md).
     late_reads: bool = True
 
     def __post_init__(self) -> None:
