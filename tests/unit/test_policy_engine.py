@@ -99,6 +99,7 @@ def test_activation_policy_sees_each_tokens_request_and_routing(
     ckpt: Path, slot_kernel: bool
 ) -> None:
     llm = _llm(ckpt, "activation", slot_kernel)
+    assert not llm.engine.runner.expert_cache.policy.tracker.retire_absent  # type: ignore[attr-defined]
     spy = _Spy(llm)
     _generate(llm)
     # steps: both prefills, one decode of both, then 71 alone for its last 3 tokens
@@ -194,6 +195,7 @@ def test_activation_predictor_learns_each_finished_request(ckpt: Path) -> None:
     prefetcher.predictor.end_request = spy  # type: ignore[method-assign]
     _generate(llm)
     tracker = prefetcher.predictor.tracker  # type: ignore[attr-defined]
+    assert not tracker.retire_absent  # the engine reports every end itself
     assert ended == [70, 71]
     assert tracker.active == [] and tracker.library_size == 2
     llm.engine.check_integrity()

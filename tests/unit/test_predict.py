@@ -61,6 +61,26 @@ def test_activation_predictor_blends_own_matrix_with_the_library() -> None:
     assert p.predict(1) == [2] and p.predict(1, limit=3) == [2, 0]
 
 
+def test_with_ends_reported_a_missing_request_keeps_its_matrix() -> None:
+    p = make_predictor("activation", moe_layers=[0, 1])
+    p.ends_reported()
+    for _ in range(4):  # request 0 alone
+        p.observe(0, [0], [0])
+        p.observe(1, [1], [0])
+    for _ in range(2):  # request 1 alone: request 0 waits (preempted), it has not ended
+        p.observe(0, [2], [1])
+        p.observe(1, [3], [1])
+    assert p.tracker.library_size == 0 and sorted(p.tracker.active) == [0, 1]
+    p.observe(0, [0], [0])  # request 0 resumes with its 4 tokens of history
+    assert p.predict(0) == [1]  # its own layer-1 expert, from before the wait
+    p.end_request(0)
+    assert p.tracker.library_size == 1 and p.tracker.active == [1]
+    p.reset()  # the setting survives a reset
+    p.observe(0, [0], [5])
+    p.observe(0, [0], [6])
+    assert sorted(p.tracker.active) == [5, 6] and p.tracker.library_size == 0
+
+
 def test_gate_lookahead_applies_the_target_layers_router_to_this_hidden_state() -> None:
     w1 = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.5, 0.5]])  # 4 experts, D=2
 

@@ -156,6 +156,10 @@ class ModelRunner:
             block.grouped_max_bytes = grouped
             block.slot_kernel_max_pairs = slot_kernel
         self.prefetcher = self._build_prefetcher(config)
+        # every finished, aborted or failed request reaches end_request (engine.py)
+        self.expert_cache.policy.ends_reported()
+        if self.prefetcher is not None:
+            self.prefetcher.predictor.ends_reported()
         fused = config.fused_kernels
         if fused is None:
             fused = self.device.type == "cuda" and triton_available()

@@ -13,8 +13,10 @@ with t the tokens r has shown at l: the library speaks for a request that has sh
 
 Requests are ids given per token. The tracker sees a step begin when a call's layer is not
 after the previous call's layer; a request missing from a step's first call is retired (its
-matrix goes to the library): every token of a step passes every MoE layer. A preempted request
-is retired too and starts afresh when it resumes. `end_request` retires one explicitly.
+matrix goes to the library): every token of a step passes every MoE layer. `end_request`
+retires one explicitly; once the caller says it reports every end (`retire_absent=False`, the
+engine), a missing request is only waiting (preempted, or left out of a step) and keeps its
+matrix.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ class ActivationTracker:
         rematch_growth: float = 1.25,
         min_library_tokens: int = 4,
         half_life_tokens: float | None = None,
+        retire_absent: bool = True,
     ) -> None:
         self.capacity = capacity
+        # True: a request missing from a step is taken as ended (replayed traces say no more).
+        self.retire_absent = retire_absent
         # None: own estimate from all of a request's tokens (MoE-Infinity's matrices); else
         # from counts decayed with this half-life in the request's tokens (recent ones weigh
         # more; the library still gets the plain counts).
@@ -199,6 +204,8 @@ class ActivationTracker:
         through every MoE layer, so a request missing from it is not in this step; retire it.
         Without ids, retire the requests the previous step did not see."""
         self._step += 1
+        if not self.retire_absent:
+            return
         for r in list(self._seen):
             gone = r not in present if present is not None else self._seen[r] < self._step - 1
             if gone and r != ANONYMOUS:
@@ -310,6 +317,9 @@ class ActivationPolicy(Policy):
     def end_request(self, request_id: int) -> None:
         """The request's activation matrix joins the library (`ActivationTracker.end_request`)."""
         self.tracker.end_request(request_id)
+
+    def ends_reported(self) -> None:
+        self.tracker.retire_absent = False
 
     def insert(self, key: Any) -> None:
         lk = (int(key[0]), int(key[1]))

@@ -61,6 +61,10 @@ class Policy:
     def end_request(self, request_id: int) -> None:
         """The engine finished (or aborted, or failed) request `request_id` (optional hook)."""
 
+    def ends_reported(self) -> None:
+        """The caller reports every request's end through `end_request`: a request missing
+        from a step is waiting (preempted, or left out of the step), not finished (hook)."""
+
     def insert(self, key: Any) -> None:
         raise NotImplementedError
 

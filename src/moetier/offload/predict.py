@@ -78,6 +78,9 @@ class Predictor:
     def end_request(self, request_id: int) -> None:
         """The engine is done with `request_id` (finished, aborted or failed); optional hook."""
 
+    def ends_reported(self) -> None:
+        """As `Policy.ends_reported`: every end comes through `end_request` (optional hook)."""
+
     def reset(self) -> None:
         self._layers = sorted(self._fixed_layers or [])
         self._index = {la: i for i, la in enumerate(self._layers)}
@@ -179,6 +182,10 @@ class ActivationPredictor(Predictor):
 
     def end_request(self, request_id: int) -> None:
         self.tracker.end_request(request_id)  # its matrix joins the library now
+
+    def ends_reported(self) -> None:
+        self._tracker_kw["retire_absent"] = False  # kept across reset()
+        self.tracker.retire_absent = False
 
     def _reset(self) -> None:
         from moetier.offload.activation import ActivationTracker
