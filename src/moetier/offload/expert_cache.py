@@ -10,7 +10,7 @@ are finished before fetch returns: their reads run in parallel on the read pool,
 issued as soon as its read is done, and the compute stream waits on the copies' events. On a
 CPU without a host tier (reads go straight into slots) a fetch with `late_reads` returns while
 its misses are still read on the read threads; the batch's `ready(i)` waits for one, and
-`release` settles whatever is left (and hands back the slots of failed reads).
+`release` settles whatever is left (offload/late_reads.py).
 Prefetch loads run at low priority and are moved on whenever the cache is called (never
 blocking); a fetch that needs one promotes it and waits on its event like a miss's.
 """
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moetier.offload.cancel import cancel, cancel_where, reap_detached
+from moetier.offload.late_reads import finish_late, go_late, settle_late
 from moetier.offload.policy import make_policy
 from moetier.offload.slots import SlotState, SlotTable
 from moetier.offload.stats import OffloadStats
@@ -197,7 +198,7 @@ class ExpertCache:
                     wave.pending.append(slot)
                 self.table.pin(slot)
                 wave.slots.append(slot)
-            late = self._go_late(wave)
+            late = go_late(self, wave)
             if not late:
                 self._complete(wave)
         except BaseException:  # loads left behind finish in the background
@@ -210,26 +211,15 @@ class ExpertCache:
         if wave.waits:
             self.stats.miss_host_s += time.perf_counter() - start
         self._wait_ready(wave, start, late)
-        if late:
-            return ExpertBatch(
-                layer, experts, wave.slots, self.slots, self.shape.split, late, self._finish_late
-            )
-        return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split)
+        waiter = (lambda slot: finish_late(self, slot)) if late else None
+        return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split, late, waiter)
 
     def end_request(self, request_id: int) -> None:
         """The engine is done with `request_id` (finished, aborted or failed): tell the policy."""
         self.policy.end_request(request_id)
 
     def release(self, batch: ExpertBatch) -> None:
-        for i in sorted(batch.late):  # late reads the caller never waited for (it raised)
-            # a failed read is recorded in _late_failed; the caller's own error is on its way
-            with contextlib.suppress(Exception):
-                batch.ready(i)
-        for s in batch.slots:
-            self.table.unpin(s)
-        for load in self._late_failed:
-            self._drop(load)
-        self._late_failed.clear()
+        settle_late(self, batch)  # unpins the slots (late reads: offload/late_reads.py)
         if not self.cuda:
             return
         done = torch.cuda.Event()
@@ -404,35 +394,6 @@ class ExpertCache:
                 log.debug("prefetch of %s failed: %s", load.key, exc)
                 self.stats.prefetches_cancelled += 1
                 self._drop(load)
-
-    def _go_late(self, wave: _Wave) -> dict[int, int]:
-        """Late reads (module doc): hand the wave's pending reads to the read threads and
-        return {index in the wave: slot} of its slots still loading; {} when the wave's loads
-        are to be finished now. With no expert in place to compute meanwhile, the first read
-        stays queued, so the caller's wait runs it on its own thread (no hand-off)."""
-        if not (self.late_reads and wave.pending):
-            return {}
-        reads = [ld.read for ld in self._loads_of(wave.pending) if ld.read is not None]
-        hits = len(wave.slots) > len(wave.pending)
-        self.reads.start(reads if hits else reads[1:])
-        pending = set(wave.pending)
-        wave.pending.clear()
-        return {i: slot for i, slot in enumerate(wave.slots) if slot in pending}
-
-    def _finish_late(self, slot: int) -> None:
-        """Wait for the late load of `slot` (its read, on this thread if not started); the wait
-        is exposed fetch time. A failed read raises; its slot is handed back at release."""
-        load = self.table.slots[slot].load
-        if load is None:  # finished meanwhile (a later fetch's _advance)
-            return
-        start = time.perf_counter()
-        try:
-            self._advance_load(load, urgent=True)
-        except Exception:
-            self._late_failed.append(load)
-            raise
-        finally:
-            self.stats.exposed_fetch_s += time.perf_counter() - start
 
     def _complete(self, wave: _Wave) -> None:
         """Finish the loads of the wave's pending slots, in order; the first waiting read runs
