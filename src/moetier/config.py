@@ -164,11 +164,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     progress: bool = True
-    # MoE fast path: a wave whose (token, expert) weights fit in this many bytes is computed with
-    # one gather and two bmm instead of a loop over experts. None = 256 MiB on CUDA, off on CPU.
-    moe_grouped_max_bytes: int | None = None
+    # MoE fast path: a step with more (token, expert) pairs than the slot kernel takes (prefill,
+    # large batches) is computed by the grouped kernel (kernels/grouped_ffn.py), reading the
+    # slots in place, waves of it when the step's experts exceed the slot pool. None = on for
+    # CUDA when Triton imports; off = the per-expert loop (the CPU default).
+    moe_grouped_kernel: bool | None = None
     # MoE fast path: a step with at most this many (token, expert) pairs is computed by the
-    # slot-reading kernel (kernels/expert_ffn.py). None = 256 on CUDA with Triton, off on CPU.
+    # slot-reading kernel (kernels/expert_ffn.py). None = the measured crossover with the
+    # grouped kernel on CUDA with Triton (SLOT_KERNEL_MAX_PAIRS), off on CPU.
     moe_slot_kernel_max_pairs: int | None = None
     # RMSNorm and rotary as one Triton kernel each (kernels/rmsnorm_rope.py). None = on for CUDA
     # when Triton imports, off on the CPU.

@@ -29,16 +29,16 @@ def test_no_ship_reasons() -> None:
 
 
 def test_side_settings_split() -> None:
-    kv = parse_kv("policy=lfu expert_budget=10% moe_grouped_max_bytes=0 prefetch=none")
+    kv = parse_kv("policy=lfu expert_budget=10% moe_grouped_kernel=false prefetch=none")
     assert kv == {
         "policy": "lfu",
         "expert_budget": "10%",
-        "moe_grouped_max_bytes": 0,
+        "moe_grouped_kernel": False,
         "prefetch": None,
     }
     s = side_settings(GateSettings({}, kv), kv, "tiny-qwen3", 3)
     assert (s.policy, s.budgets, s.seed, s.synthetic) == ("lfu", ["100%", "10%"], 3, "tiny-qwen3")
-    assert s.llm_kwargs == {"moe_grouped_max_bytes": 0, "prefetch": None}
+    assert s.llm_kwargs == {"moe_grouped_kernel": False, "prefetch": None}
 
 
 def _prefetch_pair(misses_b: float, misses_c: float, ec: float, issued: int = 5) -> dict:

@@ -31,12 +31,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-PATHS = {  # MoE compute path -> (moe_grouped_max_bytes, moe_slot_kernel_max_pairs, piecewise)
-    "slot": (0, 1 << 20, False),
-    "grouped": (1 << 30, 0, False),
-    "loop": (0, 0, False),
+PATHS = {  # MoE compute path -> (moe_grouped_kernel, moe_slot_kernel_max_pairs, piecewise)
+    "slot": (False, 1 << 20, False),
+    "grouped": (True, 0, False),
+    "loop": (False, 0, False),
     # decode steps as piecewise CUDA graphs: prefetch between replays, captures under quiet()
-    "piecewise": (0, 1 << 20, True),
+    "piecewise": (False, 1 << 20, True),
 }
 
 
@@ -72,7 +72,7 @@ def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dic
         device="cuda",
         dtype="bfloat16",
         progress=False,
-        moe_grouped_max_bytes=grouped,
+        moe_grouped_kernel=grouped,
         moe_slot_kernel_max_pairs=slot,
         piecewise_graphs=piecewise,
         prefetch=prefetch,

@@ -13,7 +13,7 @@ from moetier.threads import threads_arg
 
 
 def parse_kv(text: str) -> dict[str, Any]:
-    """ "policy=lfu expert_budget=25% moe_grouped_max_bytes=0" -> dict (ints parsed, none=None)."""
+    """ "policy=lfu expert_budget=25% moe_grouped_kernel=false" -> dict (ints parsed, none=None)."""
     from moetier.errors import ConfigError
 
     out: dict[str, Any] = {}
@@ -109,7 +109,7 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         "--set",
         default="",
         metavar="K=V ...",
-        help="extra LLM settings, e.g. 'moe_grouped_max_bytes=0'",
+        help="extra LLM settings, e.g. 'moe_grouped_kernel=false'",
     )
     p.add_argument("--profile-steps", type=int, default=8, help="CUDA: decode steps profiled")
     p.add_argument(

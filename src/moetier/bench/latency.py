@@ -138,7 +138,21 @@ def add_bounds(runs: list[ConfigRun], link: dict[str, Any]) -> None:
         steps = max(len(run.decode_steps), 1)
         misses_per_step = res.misses / steps
         bound = ref["gpu_busy_ms"] + misses_per_step * link_bytes / bw * 1e3
+        # Prompt steps: at most num_slots of the keys they touch can be resident beforehand,
+        # so the rest must cross the link at least once; the all-resident TTFT is the compute.
+        keys = {
+            (r.layer, e)
+            for r in run.trace.records
+            if r.step in run.prefill_steps
+            for row in r.experts
+            for e in row
+        }
+        must_move = max(0, len(keys) - run.num_slots) * link_bytes
+        prefill_bound = max(must_move / bw * 1e3, ref["ttft_ms"])
         m.update(
+            prefill_link_bytes_min=must_move,
+            prefill_bound_ms=prefill_bound,
+            ttft_over_bound=m["ttft_ms"] / prefill_bound if prefill_bound > 0 else float("nan"),
             offload_cost_ms=m["tpot_ms"] - ref["tpot_ms"],
             belady_hit_rate=res.hit_rate,
             belady_misses_per_token=misses_per_step,

@@ -56,6 +56,7 @@ class ConfigRun:
     decode_steps: set[int]
     num_slots: int
     total_experts: int
+    prefill_steps: set[int]
 
 
 def _sync(device: torch.device) -> None:
@@ -99,6 +100,8 @@ class _Driver:
         self.step = 0
         self.counters = dict.fromkeys(_COUNTERS, 0.0)  # decode steps of the timed pass
         self.decode_steps: set[int] = set()
+        self.prefill = dict.fromkeys(_COUNTERS, 0.0)  # prompt steps of the timed pass
+        self.prefill_steps: set[int] = set()
         self._scheduled: list[Any] = []
         scheduler = self.engine.scheduler
         original = scheduler.schedule  # bound method; the instance attribute shadows it
@@ -153,11 +156,12 @@ class _Driver:
             decode.append(is_decode)
             if ttft < 0 and all(r.output_token_ids for r in reqs):
                 ttft = sum(step_s)  # engine steps only: the counter reads in between are not
-            if timed and is_decode and before is not None:
+            if timed and before is not None:
                 after = self._stats()
+                into = self.counters if is_decode else self.prefill
                 for k in _COUNTERS:
-                    self.counters[k] += after[k] - before[k]
-                self.decode_steps.add(self.step)
+                    into[k] += after[k] - before[k]
+                (self.decode_steps if is_decode else self.prefill_steps).add(self.step)
             self.step += 1
             self.bar.update(1)
         wall = sum(step_s)
@@ -312,6 +316,7 @@ def measure(
         driver.decode_steps,
         int(plan["device_slots"]),
         int(plan["total_experts"]),
+        driver.prefill_steps,
     )
 
 
@@ -363,6 +368,7 @@ def _metrics(
         gpu_busy, launches, copy_ms = tpot, 0.0, 0.0
         top_kernels = []
     lookups = max(c["requests"], 1.0)
+    pre, iters = driver.prefill, max(len(its), 1)
     return dict(
         budget=budget,
         device_slots=int(plan["device_slots"]),
@@ -397,6 +403,11 @@ def _metrics(
         routing_sync_ms_per_token=c["routing_sync_s"] * 1e3 / n,
         host_hit_rate=c["host_hits"] / lookups,
         disk_read_rate=c["disk_reads"] / lookups,
+        # The prompt steps (TTFT) of one timed batch: expert bytes moved, time compute waited.
+        prefill_h2d_bytes=pre["bytes_host_to_device"] / iters,
+        prefill_disk_bytes=pre["bytes_disk_to_host"] / iters,
+        prefill_exposed_fetch_ms=pre["exposed_fetch_s"] * 1e3 / iters,
+        prefill_miss_host_ms=pre["miss_host_s"] * 1e3 / iters,
         # Prefetch counters over the timed decode steps (all 0 with prefetch off).
         **{k: int(c[k]) for k in _COUNTERS if k.startswith("prefetch")},
     )

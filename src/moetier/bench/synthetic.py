@@ -313,7 +313,7 @@ def decode_benchmark(
     new_tokens: int = 64,
     device: str = "auto",
     dtype: str = "auto",
-    moe_grouped_max_bytes: int | None = None,
+    moe_grouped_kernel: bool | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """TTFT and TPOT at batch 1 for one expert budget, with offload counters per token."""
@@ -325,7 +325,7 @@ def decode_benchmark(
         device=device,
         dtype=dtype,
         progress=False,
-        moe_grouped_max_bytes=moe_grouped_max_bytes,
+        moe_grouped_kernel=moe_grouped_kernel,
     )
     prompt = [(7 * i + 3) % 31000 + 1 for i in range(prompt_len)]
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -349,7 +349,7 @@ def decode_benchmark(
     decode = times[1:]
     return {
         "budget": budget or "100%",
-        "moe_compute": "loop" if moe_grouped_max_bytes == 0 else "default",
+        "moe_compute": "loop" if moe_grouped_kernel is False else "default",
         "device_slots": s["device_slots"],
         "total_experts": s["total_experts"],
         "ttft_ms": times[0] * 1e3,
@@ -376,20 +376,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--compare-loop",
         action="store_true",
-        help="also run each budget with the per-expert loop (grouped path off)",
+        help="also run each budget with the per-expert loop (grouped kernel off)",
     )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         path = write_synthetic(Path(tmp) / args.shape, args.shape, args.layers, args.seed)
-        variants: list[int | None] = [0, None] if args.compare_loop else [None]
+        variants: list[bool | None] = [False, None] if args.compare_loop else [None]
         rows = [
             decode_benchmark(
                 path,
                 None if b == "100%" else b,
                 args.prompt_len,
                 args.new_tokens,
-                moe_grouped_max_bytes=v,
+                moe_grouped_kernel=v,
                 seed=args.seed,
             )
             for b in args.budgets.split(",")

@@ -6,7 +6,8 @@ never decides what to schedule or how layers compute (it replays the same model 
 
 Whole graphs: a decode step qualifies when every scheduled request adds one token and samples,
 every routed expert is resident (the MoE layers look slots up on the device: no routing sync),
-the slot kernel covers the step's (token, expert) pairs, and no routing observer is attached.
+a kernel (slot or grouped) takes the step's (token, expert) pairs, and no routing observer is
+attached.
 
 Piecewise graphs (`piecewise_graphs`): with experts offloaded, each MoE layer ends one graph at
 its routing (the sorted top-k ids left in a fixed buffer) and starts the next with its expert
@@ -75,8 +76,6 @@ class _Splitter:
     def split(
         self, block: Any, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        from moetier.kernels.expert_ffn import expert_ffn
-
         ids, order = ids.sort(dim=-1)  # ascending expert per token, as the eager path
         weights = weights.gather(1, order)
         slots = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
@@ -85,18 +84,18 @@ class _Splitter:
         self.slots.append(slots)
         self.end()
         self.begin()
-        provider = block.provider
-        return expert_ffn(x, provider.pool, slots, weights, provider.intermediate)
+        out: torch.Tensor = block.compute(x, block.provider.pool, slots, weights)
+        return out
 
 
 def graph_safe(blocks: list[Any], pairs: int, piecewise: bool = False) -> bool:
     """A replayed graph computes what eager would for every MoE block: no host observer of
     the routing (piecewise graphs give it the ids at each layer's sync), any router fed from the
-    host can be staged, and `pairs` (token, expert) pairs fit the slot kernel."""
+    host can be staged, and a kernel (slot or grouped) takes `pairs` (token, expert) pairs."""
     return all(
         (piecewise or b.route_observer is None)
         and (not getattr(b.gate, "host_routing", False) or hasattr(b.gate, "stage"))
-        and pairs <= b.slot_kernel_max_pairs
+        and (pairs <= b.slot_kernel_max_pairs or b.grouped_kernel)
         for b in blocks
     )
 
@@ -104,7 +103,7 @@ def graph_safe(blocks: list[Any], pairs: int, piecewise: bool = False) -> bool:
 class DecodeGraphs:
     """Captures the decode forward per (B, W) and replays it for qualifying steps."""
 
-    def __init__(self, runner: Any, max_batch: int = 32, piecewise: bool = False) -> None:
+    def __init__(self, runner: Any, max_batch: int = 64, piecewise: bool = False) -> None:
         self.runner = runner
         self.max_batch = max_batch
         self.piecewise = piecewise

@@ -18,6 +18,7 @@ from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
+from moetier.kernels.grouped_ffn import SLOT_KERNEL_MAX_PAIRS
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
 from moetier.layers.norm import RMSNorm
@@ -145,15 +146,17 @@ class ModelRunner:
         self.expert_cache, self.tier_plan = build_tiers(
             layout, config.offload, self.device, self.dtype, self.top_k, self.stats, config.progress
         )
-        grouped = config.moe_grouped_max_bytes
+        kernels = self.device.type == "cuda" and triton_available()
+        grouped = config.moe_grouped_kernel
         if grouped is None:
-            grouped = 256 << 20 if self.device.type == "cuda" else 0
+            grouped = kernels
         slot_kernel = config.moe_slot_kernel_max_pairs
         if slot_kernel is None:
-            slot_kernel = 256 if self.device.type == "cuda" and triton_available() else 0
+            slot_kernel = SLOT_KERNEL_MAX_PAIRS if kernels else 0
         for block in self.model.moe_blocks():
             block.provider = self.expert_cache
-            block.grouped_max_bytes = grouped
+            block.num_experts = self.num_experts
+            block.grouped_kernel = grouped
             block.slot_kernel_max_pairs = slot_kernel
         self.prefetcher = self._build_prefetcher(config)
         # every finished, aborted or failed request reaches end_request (engine.py)

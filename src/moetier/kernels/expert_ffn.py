@@ -40,11 +40,11 @@ def triton_available() -> bool:
     return bool(_triton)
 
 
-def expert_ffn_reference(
+def pair_outputs(
     x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
 ) -> torch.Tensor:
-    """x [T, D], pool [S, 3ID], slots [T, K] int (ascending expert per row), weights [T, K]
-    -> [T, D] in x.dtype. Silu-gated experts."""
+    """Each (token, expert) pair's weighted output y [T, K, D] in x.dtype (the rounding of the
+    contract above), slots [T, K] >= 0. Shared by the references here and in grouped_ffn.py."""
     t, k = slots.shape
     d = x.shape[1]
     w = pool.index_select(0, slots.reshape(-1).long())  # [P, 3ID]
@@ -56,9 +56,17 @@ def expert_ffn_reference(
     u = torch.bmm(up, xp).squeeze(-1)
     h = F.silu(g) * u
     y = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1)  # [P, D]
-    y = (y * weights.reshape(-1, 1).float()).to(x.dtype).view(t, k, d)  # [T, K, D]
+    return (y * weights.reshape(-1, 1).float()).to(x.dtype).view(t, k, d)  # [T, K, D]
+
+
+def expert_ffn_reference(
+    x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
+) -> torch.Tensor:
+    """x [T, D], pool [S, 3ID], slots [T, K] int (ascending expert per row), weights [T, K]
+    -> [T, D] in x.dtype. Silu-gated experts."""
+    y = pair_outputs(x, pool, slots, weights, inter)  # [T, K, D]
     out = torch.zeros_like(x)
-    for j in range(k):
+    for j in range(slots.shape[1]):
         out += y[:, j]
     return out
 

@@ -36,7 +36,8 @@ def attend(
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
-    longer chunk (prefill) in its own call with a causal mask offset by the cached tokens. GQA
+    longer chunk (prefill) in its own call with a causal mask offset by the cached tokens (on
+    CUDA a chunk with nothing cached before it is `is_causal`, SDPA's flash kernel). GQA
     heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
     """
     meta = ctx.kv_batch
@@ -65,9 +66,16 @@ def attend(
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
         ks = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dk]
         vs = v_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dv]
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=_causal_mask(ctx, i, q.device), scale=scale, enable_gqa=True
-        )
+        if span.past == 0 and q.is_cuda:
+            # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
+            # kernel (native GQA); a mask would send it to a slower kernel.
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=_causal_mask(ctx, i, q.device), scale=scale, enable_gqa=True
+            )
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out
 

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from moetier.kernels.expert_ffn import expert_ffn
+from moetier.kernels.grouped_ffn import grouped_ffn
 from moetier.offload.types import ExpertBatch, ExpertProvider
 
 # Legend: T tokens, E experts, K top-k, D hidden, I expert intermediate.
@@ -49,15 +50,15 @@ class MoEBlock(nn.Module):
         self.act = ACT2FN[act]
         self.act_name = act
         self.provider: ExpertProvider | None = None
+        self.num_experts = getattr(getattr(gate, "weight", None), "shape", (0,))[0]
         self.weights_dtype_cast = False  # cast routing weights to x.dtype before scaling (Qwen2)
-        # Fast path switch: compute a wave with one gather and two bmm when its (token, expert)
-        # pairs' weights fit in this many bytes; 0 = always the per-expert loop (CPU default).
-        self.grouped_max_bytes = 0
         self.one_token_loop = True  # the per-expert loop's one-token CPU form (False: tests)
-        # Fast path switch: compute with the slot-reading kernel (kernels/expert_ffn.py) when the
-        # step has at most this many (token, expert) pairs and they fit in the slot pool at once;
-        # 0 = off. With every expert resident this path needs no host sync at all.
+        # Fast path switches (kernels/): a step with at most `slot_kernel_max_pairs` (token,
+        # expert) pairs is computed by the slot-reading kernel (expert_ffn.py), a larger one by
+        # the grouped kernel (grouped_ffn.py) when `grouped_kernel` is on; else the per-expert
+        # loop (the CPU default). With every expert resident neither adds a host sync.
         self.slot_kernel_max_pairs = 0
+        self.grouped_kernel = False
         # Called at the layer's routing sync with (layer, flat host expert ids [T*K], K); the
         # bench's trace recorder attaches here. None = nothing observes routing.
         self.route_observer: Callable[[int, list[int], int], None] | None = None
@@ -69,13 +70,29 @@ class MoEBlock(nn.Module):
         # (offload/prefetcher.py). Never called on the all-resident path.
         self.prefetcher: Callable[[int, list[int], torch.Tensor | None], None] | None = None
 
+    def compute(
+        self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The kernel path's expert compute: x [T, D], slots [T, K] (ascending expert per row),
+        weights [T, K] -> [T, D]; the slot kernel for few pairs, the grouped kernel above."""
+        assert self.provider is not None
+        inter = self.provider.intermediate
+        if slots.numel() <= self.slot_kernel_max_pairs:
+            return expert_ffn(x, pool, slots, weights, inter)
+        return grouped_ffn(x, pool, slots, weights, inter, self.num_experts)
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
         if self.weights_dtype_cast:
             weights = weights.to(x.dtype)
         provider = self.provider
         assert provider is not None, "expert provider not attached"
-        kernel = 0 < ids.numel() <= self.slot_kernel_max_pairs and self.act_name == "silu"
+        pairs = ids.numel()
+        kernel = (
+            pairs > 0
+            and self.act_name == "silu"
+            and (pairs <= self.slot_kernel_max_pairs or self.grouped_kernel)
+        )
         if kernel and self.splitter is not None:
             out: torch.Tensor = self.splitter.split(self, x, ids, weights)
             return out
@@ -85,9 +102,8 @@ class MoEBlock(nn.Module):
             # ids on the host: it takes the synced path below, with the same kernel.)
             ids, order = ids.sort(dim=-1)  # ascending expert per token, as the reference adds
             slots = provider.resident_table[self.layer][ids]  # [T, K]
-            provider.count_resident(ids.numel())
-            weights = weights.gather(1, order)
-            return expert_ffn(x, provider.pool, slots, weights, provider.intermediate)
+            provider.count_resident(pairs)
+            return self.compute(x, provider.pool, slots, weights.gather(1, order))
         k = ids.shape[1]
         # The one host sync of this layer: routing ids to the host to know what to fetch. The
         # host waits here for the GPU to finish everything queued so far: counted, since the
@@ -106,17 +122,12 @@ class MoEBlock(nn.Module):
             self.route_observer(self.layer, host_ids, k)
         wave = self.slot_wave(host_ids, k, provider, x) if kernel else None
         if wave is None:
-            return self._waves(x, ids, weights, flat, host_ids, provider)
+            return self._waves(x, ids, weights, flat, host_ids, provider, kernel)
         batch, slots = wave
         try:  # a raising step must still hand its slots back (the engine keeps serving)
             _, order = ids.sort(dim=-1)  # ascending expert per token, matching the slot rows
-            return expert_ffn(
-                x,
-                batch.pool,
-                slots.to(x.device, non_blocking=True),
-                weights.gather(1, order),
-                provider.intermediate,
-            )
+            dev_slots = slots.to(x.device, non_blocking=True)
+            return self.compute(x, batch.pool, dev_slots, weights.gather(1, order))
         finally:
             provider.release(batch)
 
@@ -127,7 +138,7 @@ class MoEBlock(nn.Module):
         provider: ExpertProvider,
         hidden: torch.Tensor | None = None,
     ) -> tuple[ExpertBatch, torch.Tensor] | None:
-        """Host half of the slot-kernel path: fetch the call's distinct experts in one wave and
+        """Host half of the kernel path: fetch the call's distinct experts in one wave and
         give each token's experts their slots, ascending expert per row ([T, K] int32, CPU).
         None when they do not fit in the slot pool at once (the caller computes in waves). The
         caller releases the batch once the kernel that reads the slots is queued. `hidden`
@@ -136,13 +147,13 @@ class MoEBlock(nn.Module):
         if len(experts) > provider.max_batch:
             return None
         provider.count_routed(len(host_ids), len(experts))
-        rows = [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
-        batch = provider.fetch(self.layer, experts, rows if provider.wants_routing else None)
+        rows = torch.tensor(host_ids, dtype=torch.long).view(-1, k).sort(dim=-1).values  # [T, K]
+        routing = rows.tolist() if provider.wants_routing else None
+        batch = provider.fetch(self.layer, experts, routing)
         try:
             self._prefetch(host_ids, hidden)
             batch.ready_all()  # the kernel reads every slot (late reads: CPU only)
-            slot_of = dict(zip(batch.experts, batch.slots))
-            slots = torch.tensor([[slot_of[e] for e in row] for row in rows], dtype=torch.int32)
+            slots = _slot_lookup(batch, max(experts) + 1)[rows]  # [T, K]
         except BaseException:
             provider.release(batch)
             raise
@@ -156,9 +167,11 @@ class MoEBlock(nn.Module):
         flat: torch.Tensor,
         host_ids: list[int],
         provider: ExpertProvider,
+        kernel: bool = False,
     ) -> torch.Tensor:
         """Experts fetched in waves no larger than the slot pool, each computed by the grouped
-        path or the per-expert loop."""
+        kernel (`kernel`: its pairs of other waves skipped, adds continuing in ascending expert
+        order across waves) or by the per-expert loop."""
         k = ids.shape[1]
         order = torch.argsort(flat, stable=True)  # token-major slots grouped by expert
         counts = torch.bincount(flat, minlength=1).tolist()
@@ -169,8 +182,10 @@ class MoEBlock(nn.Module):
             offsets.append(offsets[-1] + counts[e])
         order_dev = order.to(x.device, non_blocking=True)
         tokens, kpos = order_dev // k, order_dev % k
-        host_tokens = (order // k).tolist() if self.grouped_max_bytes else []
         out = torch.zeros_like(x)
+        if kernel:
+            sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
+            sorted_weights = weights.gather(1, by_expert)
         routing = (  # the call's routing goes with its first wave only
             [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
             if provider.wants_routing
@@ -182,12 +197,16 @@ class MoEBlock(nn.Module):
             try:
                 if w0 + provider.max_batch >= len(experts):  # the layer's last wave is pinned
                     self._prefetch(host_ids, x)
-                spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
-                pairs = sum(b - a for a, b in spans)
-                nbytes = pairs * batch.pool.shape[1] * x.element_size()
-                if nbytes <= self.grouped_max_bytes:
-                    self._wave_grouped(x, out, batch, spans, tokens, kpos, weights, host_tokens)
+                if kernel:
+                    batch.ready_all()
+                    lookup = _slot_lookup(batch, len(counts)).to(x.device, non_blocking=True)
+                    wave_slots = lookup[sorted_ids]  # [T, K], -1 = another wave's expert
+                    grouped_ffn(
+                        x, batch.pool, wave_slots, sorted_weights, provider.intermediate,
+                        self.num_experts, out,
+                    )  # fmt: skip
                 else:
+                    spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
                     self._wave_loop(x, out, batch, spans, tokens, kpos, weights)
             finally:
                 provider.release(batch)
@@ -236,57 +255,17 @@ class MoEBlock(nn.Module):
         for i in sorted(held):
             _add(out, *held[i])
 
-    def _wave_grouped(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        batch: ExpertBatch,
-        spans: list[tuple[int, int]],
-        tokens: torch.Tensor,
-        kpos: torch.Tensor,
-        weights: torch.Tensor,
-        host_tokens: list[int],
-    ) -> None:
-        """All (token, expert) pairs of the wave at once: one weight gather, two bmm.
-
-        A handful of launches instead of ~8 per expert; costs a gather copy of each pair's
-        expert weights (bounded by grouped_max_bytes). Each token's expert outputs are added in
-        ascending expert order, one rounding per add, exactly like the per-expert loop: in bf16
-        a different order flips near-tied routing decisions in later layers.
-        """
-        batch.ready_all()
-        pos = [p for a, b in spans for p in range(a, b)]
-        pair_slots = [s for (a, b), s in zip(spans, batch.slots) for _ in range(b - a)]
-        # rank = how many of this token's pairs come before it in the wave (ascending expert)
-        seen: dict[int, int] = {}
-        ranks = []
-        for p in pos:
-            t = host_tokens[p]
-            ranks.append(seen.get(t, 0))
-            seen[t] = ranks[-1] + 1
-        depth = max(seen.values())
-        # One asynchronous copy of all index lists: building each with torch.tensor(...,
-        # device=cuda) would synchronize the stream three times per wave, so the host would
-        # wait for the expert copies before it could queue this wave's kernels.
-        index = torch.tensor([pos, pair_slots, ranks]).to(x.device, non_blocking=True)
-        pos_t, slot_t, rank_t = index[0], index[1], index[2]
-        tok, kp = tokens[pos_t], kpos[pos_t]  # [P]
-        w = batch.pool.index_select(0, slot_t)  # [P, 3ID]
-        d = x.shape[1]
-        two_i = 2 * (batch.pool.shape[1] // (3 * d))
-        gate_up = w[:, : two_i * d].view(-1, two_i, d)  # [P, 2I, D]
-        down = w[:, two_i * d :].view(-1, d, two_i // 2)  # [P, D, I]
-        h = torch.bmm(gate_up, x[tok].unsqueeze(-1)).squeeze(-1)  # [P, 2I]
-        g, u = h.chunk(2, dim=-1)
-        y = torch.bmm(down, (self.act(g) * u).unsqueeze(-1)).squeeze(-1)  # [P, D]
-        y = (y * weights[tok, kp, None]).to(out.dtype)
-        per_rank = out.new_zeros(depth, out.shape[0], out.shape[1])  # [R, T, D]
-        per_rank[rank_t, tok] = y  # (rank, token) is unique
-        for r in range(depth):
-            out += per_rank[r]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x)
+
+
+def _slot_lookup(batch: ExpertBatch, size: int) -> torch.Tensor:
+    """[size] int32 (CPU): the slot of each expert the batch holds, -1 for the others."""
+    lookup = torch.full((size,), -1, dtype=torch.int32)
+    lookup[torch.tensor(batch.experts, dtype=torch.long)] = torch.tensor(
+        batch.slots, dtype=torch.int32
+    )
+    return lookup
 
 
 def _add(out: torch.Tensor, tok: torch.Tensor | None, term: torch.Tensor) -> None:

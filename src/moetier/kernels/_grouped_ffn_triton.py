@@ -1,0 +1,248 @@
+"""Triton kernels behind kernels/grouped_ffn.py: grouped GEMMs over blocks of pairs of one slot.
+
+Three launches per MoE layer call after the align (grouped_ffn.align), none of which copies an
+expert: `_grouped_gate_up` multiplies a block's token rows by its slot's gate and up rows (tensor
+cores, float32 accumulation) and stores the activated intermediate per padded row;
+`_grouped_down` applies the slot's down projection and each pair's routing weight and stores
+y per pair; `_combine_masked` adds each token's pairs in ascending expert order (skipping pairs
+of other waves), rounding to the model dtype after each add. Each expert's weights are read once
+per block of BM pairs, so this is the path for prefill and large batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moetier.kernels.grouped_ffn import align
+
+# Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs,
+# BM pairs per block, NB blocks.
+
+
+@triton.jit
+def _grouped_gate_up(
+    x_ptr,
+    pool_ptr,
+    pairs_ptr,
+    bslot_ptr,
+    h_ptr,
+    P,
+    K,
+    D,
+    NI,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot = tl.load(bslot_ptr + b)
+    if slot < 0:
+        return
+    rows_m = b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] padded rows of this block
+    pair = tl.load(pairs_ptr + rows_m)
+    mmask = pair < P
+    tok = (pair // K).to(tl.int64)
+    rows_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate features
+    nmask = rows_n < NI
+    base = pool_ptr + slot.to(tl.int64) * stride_slot
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        cmask = cols < D
+        xa = tl.load(
+            x_ptr + tok[:, None] * D + cols[None, :],
+            mask=mmask[:, None] & cmask[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        offs = rows_n[None, :].to(tl.int64) * D + cols[:, None]  # [BK, BN]: weight (n, k)
+        m2 = cmask[:, None] & nmask[None, :]
+        wg = tl.load(base + offs, mask=m2, other=0.0)
+        wu = tl.load(base + NI * D + offs, mask=m2, other=0.0)
+        if IEEE:  # float32 operands (an fp32 model, or bf16 upcast for the CPU interpreter)
+            xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(xa, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xa, wg, acc_g)
+            acc_u = tl.dot(xa, wu, acc_u)
+    dt = h_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    tl.store(
+        h_ptr + rows_m[:, None].to(tl.int64) * NI + rows_n[None, :],
+        (a * u).to(dt),
+        mask=nmask[None, :],
+    )
+
+
+@triton.jit
+def _grouped_down(
+    h_ptr,
+    pool_ptr,
+    pairs_ptr,
+    bslot_ptr,
+    w_ptr,
+    y_ptr,
+    P,
+    D,
+    NI,
+    stride_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """y[p] = r(r(down_slot · h_row) * w_p) for the block's pairs, stored at pair p."""
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot = tl.load(bslot_ptr + b)
+    if slot < 0:
+        return
+    rows_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows_m)
+    mmask = pair < P
+    rows_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
+    nmask = rows_n < D
+    base = pool_ptr + slot.to(tl.int64) * stride_slot + 2 * NI * D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, NI, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < NI
+        ha = tl.load(
+            h_ptr + rows_m[:, None].to(tl.int64) * NI + cols[None, :],
+            mask=cmask[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        wd = tl.load(
+            base + rows_n[None, :].to(tl.int64) * NI + cols[:, None],
+            mask=cmask[:, None] & nmask[None, :],
+            other=0.0,
+        )  # [BK, BN]: down (n, k)
+        if IEEE:
+            ha, wd = ha.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(ha, wd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(ha, wd, acc)
+    dt = y_ptr.dtype.element_ty
+    w = tl.load(w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
+    y = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
+    tl.store(
+        y_ptr + pair[:, None].to(tl.int64) * D + rows_n[None, :],
+        y,
+        mask=mmask[:, None] & nmask[None, :],
+    )
+
+
+@triton.jit
+def _combine_masked(y_ptr, slots_ptr, out_ptr, K, D, ACCUM: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = r(...r(r(start + y[t,0]) + y[t,1])... ), pairs with slot -1 skipped (their y
+    rows were never written: read, then not selected); start = out[t] (ACCUM) or 0."""
+    t = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    cols = nb * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    dt = out_ptr.dtype.element_ty
+    if ACCUM:
+        out = tl.load(out_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
+    else:
+        out = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, K):
+        valid = tl.load(slots_ptr + t * K + j) >= 0
+        y = tl.load(y_ptr + (t * K + j) * D + cols, mask=m, other=0.0).to(tl.float32)
+        out = tl.where(valid, (out + y).to(dt).to(tl.float32), out)
+    tl.store(out_ptr + t * D + cols, out.to(dt), mask=m)
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch shape: pairs per block (BM), tile columns x reduction chunk, warps and pipeline
+    stages of each GEMM."""
+
+    bm: int = 16
+    up_bn: int = 64
+    up_bk: int = 64
+    up_warps: int = 4
+    up_stages: int = 3
+    down_bn: int = 64
+    down_bk: int = 64
+    down_warps: int = 4
+    down_stages: int = 3
+
+
+# Blocks of BM pairs: with few pairs per expert (a short prompt touches each expert a handful of
+# times) a small BM wastes the least padding; long prompts give each expert hundreds of pairs
+# and larger tiles reuse each weight tile over more rows.
+CONFIGS: list[tuple[float, GroupedConfig]] = [
+    (24.0, GroupedConfig(bm=16)),  # mean pairs per touched expert up to this: decode-like
+    (96.0, GroupedConfig(bm=32, up_bn=64, up_bk=64, down_bn=64, down_bk=64)),
+    (
+        float("inf"),
+        GroupedConfig(
+            bm=64, up_bn=128, up_bk=64, up_warps=8, down_bn=128, down_bk=64, down_warps=8
+        ),
+    ),  # fmt: skip
+]
+
+
+def choose_config(pairs: int, max_experts: int) -> GroupedConfig:
+    """The launch shape for a call of `pairs` (token, expert) pairs over at most `max_experts`
+    slots, by the mean pairs an expert gets (known on the host without a sync)."""
+    mean = pairs / max(1, min(pairs, max_experts))
+    for limit, cfg in CONFIGS:
+        if mean <= limit:
+            return cfg
+    return CONFIGS[-1][1]
+
+
+def grouped_ffn_triton(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    max_experts: int,
+    out: torch.Tensor | None = None,
+    cfg: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """x [T, D], pool [S, 3ID], slots [T, K] (ascending expert per row, -1 = skip), weights
+    [T, K] -> [T, D] (`out` updated in place when given)."""
+    t, k = slots.shape
+    d = x.shape[1]
+    p = t * k
+    x = x.contiguous()
+    slots = slots.to(torch.int32).contiguous()
+    weights = weights.reshape(-1).contiguous()
+    cfg = cfg or choose_config(p, max_experts)
+    accum = out is not None
+    if out is None:
+        out = torch.empty_like(x)
+    if p == 0:
+        return out.zero_() if not accum else out
+    pairs, block_slot = align(slots, cfg.bm, max_experts)  # [NB*BM], [NB]
+    nb = block_slot.numel()
+    # fp32 models keep fp32 products (no TF32); Triton's CPU interpreter gets bf16 dots wrong,
+    # so there the operands are upcast (bf16 products are exact in fp32 either way)
+    ieee = x.dtype == torch.float32 or not x.is_cuda
+    h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
+    _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
+        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0),
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=cfg.up_bk, IEEE=ieee,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+    )  # fmt: skip
+    y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
+    _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
+        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0),
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, IEEE=ieee,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+    )  # fmt: skip
+    _combine_masked[(t, triton.cdiv(d, 512))](y, slots, out, k, d, ACCUM=accum, BLOCK=512)
+    return out
