@@ -173,6 +173,10 @@ class EngineConfig:
     # slot-reading kernel (kernels/expert_ffn.py). None = the measured crossover with the
     # grouped kernel on CUDA with Triton (SLOT_KERNEL_MAX_PAIRS), off on CPU.
     moe_slot_kernel_max_pairs: int | None = None
+    # Layer streaming with experts offloaded (layers/moe.py): a MoE layer call touching at least
+    # this share of its layer's experts prefetches all of the next MoE layer's. None = 0.9 on
+    # CUDA (a prompt of ~40+ tokens or a batch of ~40+ at top-8 of 128), off on the CPU; 0 = off.
+    moe_stream_share: float | None = None
     # RMSNorm and rotary as one Triton kernel each (kernels/rmsnorm_rope.py). None = on for CUDA
     # when Triton imports, off on the CPU.
     fused_kernels: bool | None = None

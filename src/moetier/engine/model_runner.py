@@ -153,11 +153,19 @@ class ModelRunner:
         slot_kernel = config.moe_slot_kernel_max_pairs
         if slot_kernel is None:
             slot_kernel = SLOT_KERNEL_MAX_PAIRS if kernels else 0
-        for block in self.model.moe_blocks():
+        stream = config.moe_stream_share
+        if stream is None:
+            stream = 0.9 if self.device.type == "cuda" else 0.0
+        if self.expert_cache.resident_table is not None:
+            stream = 0.0  # every expert resident: nothing to stream
+        blocks = self.model.moe_blocks()
+        for i, block in enumerate(blocks):
             block.provider = self.expert_cache
             block.num_experts = self.num_experts
             block.grouped_kernel = grouped
             block.slot_kernel_max_pairs = slot_kernel
+            block.stream_share = stream
+            block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
         self.prefetcher = self._build_prefetcher(config)
         # every finished, aborted or failed request reaches end_request (engine.py)
         self.expert_cache.policy.ends_reported()

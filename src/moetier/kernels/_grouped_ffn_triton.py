@@ -178,18 +178,16 @@ class GroupedConfig:
     down_stages: int = 3
 
 
-# Blocks of BM pairs: with few pairs per expert (a short prompt touches each expert a handful of
-# times) a small BM wastes the least padding; long prompts give each expert hundreds of pairs
-# and larger tiles reuse each weight tile over more rows.
+# Chosen from scripts/gpu_grouped_sweep.py on the H200 (bench/results/2026-12-04-grouped-sweep-
+# h200.md), by the mean pairs per touched expert: a short prompt gives each expert a handful of
+# pairs (small blocks waste the least padding; one weight pass at ~3 TB/s), a long one hundreds
+# (larger tiles reuse each weight tile over more rows: ~200-355 TFLOP/s at 2k-8k tokens).
 CONFIGS: list[tuple[float, GroupedConfig]] = [
-    (24.0, GroupedConfig(bm=16)),  # mean pairs per touched expert up to this: decode-like
-    (96.0, GroupedConfig(bm=32, up_bn=64, up_bk=64, down_bn=64, down_bk=64)),
-    (
-        float("inf"),
-        GroupedConfig(
-            bm=64, up_bn=128, up_bk=64, up_warps=8, down_bn=128, down_bk=64, down_warps=8
-        ),
-    ),  # fmt: skip
+    (12.0, GroupedConfig(16, 64, 128, 4, 4, 64, 128, 4, 4)),
+    (28.0, GroupedConfig(32, 64, 64, 4, 3, 64, 64, 4, 3)),
+    (64.0, GroupedConfig(64, 64, 64, 4, 3, 64, 64, 4, 3)),
+    (160.0, GroupedConfig(64, 128, 64, 4, 4, 128, 64, 4, 4)),
+    (float("inf"), GroupedConfig(128, 128, 64, 8, 3, 128, 64, 8, 3)),
 ]
 
 

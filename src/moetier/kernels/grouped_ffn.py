@@ -25,8 +25,11 @@ import torch
 from moetier.kernels.expert_ffn import kernel_ok, pair_outputs, triton_available
 
 # The crossover on CUDA: a layer call of at most this many (token, expert) pairs runs the slot
-# kernel (kernels/expert_ffn.py), a larger one this kernel. Not yet measured: the old limit.
-SLOT_KERNEL_MAX_PAIRS = 256
+# kernel (kernels/expert_ffn.py), a larger one this kernel. Measured on the H200 (one layer call,
+# bench/results/2026-12-04-grouped-sweep-h200.md): the slot kernel wins up to 128 pairs (Qwen3
+# shape 16 tokens: 212 vs 262 us; DeepSeek 96 pairs: 263 vs 287), the grouped one from 192-256
+# (Qwen3 32 tokens: 351 vs 366; DeepSeek 32 tokens: 341 vs 466) and by 5-16x at 64-512 tokens.
+SLOT_KERNEL_MAX_PAIRS = 128
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, S slots, P = T*K pairs,
 # BM pairs per block, NB blocks (an upper bound, fixed by P and the layer's expert count).

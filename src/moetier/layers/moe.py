@@ -59,6 +59,12 @@ class MoEBlock(nn.Module):
         # loop (the CPU default). With every expert resident neither adds a host sync.
         self.slot_kernel_max_pairs = 0
         self.grouped_kernel = False
+        # Layer streaming (offloaded, set by the model runner): a call that touches at least
+        # this share of the layer's experts prefetches every expert of `next_layer` (the next
+        # MoE layer) once its own are fetched, so the copy stream brings layer l+1's misses
+        # while layer l computes: a long prompt or large batch needs nearly all of them. 0 = off.
+        self.stream_share = 0.0
+        self.next_layer: int | None = None
         # Called at the layer's routing sync with (layer, flat host expert ids [T*K], K); the
         # bench's trace recorder attaches here. None = nothing observes routing.
         self.route_observer: Callable[[int, list[int], int], None] | None = None
@@ -151,7 +157,7 @@ class MoEBlock(nn.Module):
         routing = rows.tolist() if provider.wants_routing else None
         batch = provider.fetch(self.layer, experts, routing)
         try:
-            self._prefetch(host_ids, hidden)
+            self._prefetch(host_ids, hidden, len(experts))
             batch.ready_all()  # the kernel reads every slot (late reads: CPU only)
             slots = _slot_lookup(batch, max(experts) + 1)[rows]  # [T, K]
         except BaseException:
@@ -196,7 +202,8 @@ class MoEBlock(nn.Module):
             routing = None
             try:
                 if w0 + provider.max_batch >= len(experts):  # the layer's last wave is pinned
-                    self._prefetch(host_ids, x)
+                    one_wave = len(experts) <= provider.max_batch  # else nothing to stream into
+                    self._prefetch(host_ids, x, len(experts) if one_wave else 0)
                 if kernel:
                     batch.ready_all()
                     lookup = _slot_lookup(batch, len(counts)).to(x.device, non_blocking=True)
@@ -212,11 +219,19 @@ class MoEBlock(nn.Module):
                 provider.release(batch)
         return out
 
-    def _prefetch(self, host_ids: list[int], hidden: torch.Tensor | None) -> None:
+    def _prefetch(
+        self, host_ids: list[int], hidden: torch.Tensor | None, distinct: int = 0
+    ) -> None:
         """Let the prefetcher start the next layers' loads now: this layer's own loads are
-        already issued (they go first) and its slots pinned (nothing it needs is evicted)."""
+        already issued (they go first) and its slots pinned (nothing it needs is evicted).
+        A call of `distinct` experts streams the next layer (see `stream_share`)."""
         if self.prefetcher is not None:
             self.prefetcher(self.layer, host_ids, hidden)
+        stream = self.stream_share > 0 and self.next_layer is not None
+        if stream and distinct >= self.stream_share * self.num_experts:
+            provider = self.provider
+            assert provider is not None and self.next_layer is not None
+            provider.count_streamed(provider.prefetch(self.next_layer, range(self.num_experts)))
 
     def _wave_loop(
         self,

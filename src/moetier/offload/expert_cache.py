@@ -134,6 +134,10 @@ class ExpertCache:
     def count_routed(self, pairs: int, distinct: int) -> None:
         self.stats.count_host_call(pairs, distinct)
 
+    def count_streamed(self, loads: int) -> None:
+        self.stats.streamed_calls += 1
+        self.stats.prefetches_streamed += loads
+
     def count_routing_sync(self, seconds: float) -> None:
         self.stats.routing_sync_s += seconds
 

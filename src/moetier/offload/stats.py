@@ -45,6 +45,11 @@ class OffloadStats:
     prefetches_in_time: int = 0
     prefetches_cancelled: int = 0
     prefetch_wasted_bytes: int = 0
+    # Layer streaming (MoEBlock.stream_share): layer calls that touched nearly all of their
+    # layer's experts (a long prompt, a large batch) and so prefetched every expert of the next
+    # MoE layer; the loads that started are in prefetches_issued too.
+    streamed_calls: int = 0
+    prefetches_streamed: int = 0
     # Engine steps by kind: decode = every scheduled request adds one token and samples (the
     # rule of the CUDA-graph path); prefill = any prompt chunk, with or without decodes.
     decode_steps: int = 0

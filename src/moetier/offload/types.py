@@ -111,6 +111,10 @@ class ExpertProvider(Protocol):
         `distinct` experts after the dedup across the step's batch."""
         ...
 
+    def count_streamed(self, loads: int) -> None:
+        """Count one layer call that streamed the next MoE layer's experts (`loads` started)."""
+        ...
+
     def count_routing_sync(self, seconds: float) -> None:
         """Count host time spent waiting for routing ids (the layer's host sync)."""
         ...
