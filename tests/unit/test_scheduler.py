@@ -37,7 +37,7 @@ def test_max_num_seqs_limits_admission() -> None:
 
 
 def test_preempts_newest_when_blocks_run_out() -> None:
-    from moetier.engine.kv_cache import BlockManager
+    from moetier.engine.block_manager import BlockManager
 
     blocks = BlockManager(num_blocks=3, block_size=2)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
@@ -65,7 +65,7 @@ def test_preempts_newest_when_blocks_run_out() -> None:
 
 
 def test_waiting_request_waits_for_blocks() -> None:
-    from moetier.engine.kv_cache import BlockManager
+    from moetier.engine.block_manager import BlockManager
 
     blocks = BlockManager(num_blocks=2, block_size=2)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
@@ -92,7 +92,7 @@ def test_decodes_go_before_an_older_long_prefill() -> None:
 
 
 def test_preempting_a_scheduled_decode_refunds_its_budget() -> None:
-    from moetier.engine.kv_cache import BlockManager
+    from moetier.engine.block_manager import BlockManager
 
     blocks = BlockManager(num_blocks=3, block_size=2)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
@@ -110,3 +110,75 @@ def test_preempting_a_scheduled_decode_refunds_its_budget() -> None:
     assert list(s.waiting) == [new] and s.num_preemptions == 1
     assert blocks.tables == {0: [0, 1]}  # new's blocks [1, 2] came back; 1 is reused first
     blocks.check_integrity()
+
+
+def _step(s: Scheduler, out: object) -> None:
+    """What the engine does after a step: advance the counters and cache the full blocks."""
+    for x in out.scheduled:  # type: ignore[attr-defined]
+        samples = x.samples
+        x.request.num_computed_tokens += x.num_new_tokens
+        s.computed(x.request)
+        if samples:
+            x.request.output_token_ids.append(9)
+
+
+def test_admission_starts_at_the_cached_prefix_and_counts_it() -> None:
+    from moetier.engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=8, block_size=2, prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
+    a = _req(0, 5)  # [1..5]: blocks [1, 2], [3, 4] full
+    s.add(a)
+    _step(s, s.schedule())
+    s.finish(a)
+    b = _req(1, 6)  # [1..6]: the same two blocks, then [5, 6] to compute
+    s.add(b)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [
+        (1, 2, True)
+    ]
+    # a's partial block 2 ([5]) was freed, not cached, and is reused first
+    assert b.num_computed_tokens == 4 and blocks.tables[1] == [0, 1, 2]
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (5 + 6, 4)
+    s.check_integrity()
+
+
+def test_a_preempted_request_hits_its_own_blocks_on_recompute() -> None:
+    from moetier.engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=6, block_size=2, prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
+    a, b = _req(0, 4), Request(1, [5, 6, 7, 8, 10], SamplingParams(max_tokens=4))
+    s.add(a)
+    s.add(b)
+    _step(s, s.schedule())
+    assert blocks.tables == {0: [0, 1], 1: [2, 3, 4]}
+    s.preempt(b)  # [5, 6] and [7, 8] stay cached; the partial block 4 is freed
+    assert list(blocks.evictable) == [3, 2] and b.num_computed_tokens == 0
+    out = s.schedule()  # a grows into block 4 (freed last, reused first); b hits 2 blocks
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [(0, 1), (1, 2)]
+    assert blocks.tables == {0: [0, 1, 4], 1: [2, 3, 5]} and b.num_computed_tokens == 4
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (4 + 5 + 6, 4)
+    s.check_integrity()
+
+
+def test_chunked_prefill_caches_blocks_as_chunks_complete() -> None:
+    from moetier.engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=8, block_size=2, prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=3), blocks)
+    a, b = _req(0, 7), _req(1, 7)  # same prompt; b waits (one sequence at a time)
+    s.add(a)
+    s.add(b)
+    _step(s, s.schedule())  # a computes 3 tokens: block 0 full
+    assert len(blocks.hash_of) == 1
+    _step(s, s.schedule())  # 6 tokens: blocks 0, 1, 2 full
+    assert len(blocks.hash_of) == 3
+    _step(s, s.schedule())  # the 7th token, and a samples
+    s.finish(a)
+    out = s.schedule()  # b reuses 3 blocks (6 tokens) and computes its last token
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [
+        (1, 1, True)
+    ]
+    assert blocks.tables[1][:3] == [0, 1, 2] and s.prefix_cache_hits == 6
+    s.check_integrity()
