@@ -9,11 +9,10 @@ from moetier.engine.block_manager import BlockManager, block_hash
 P = list(range(1, 11))  # a 10-token prompt: blocks [1..4], [5..8] full, [9, 10] partial (BS 4)
 
 
-def _run(m: BlockManager, seq: int, prompt: list[int], output: list[int] = []) -> list[int]:
+def _run(m: BlockManager, seq: int, prompt: list[int]) -> list[int]:
     """Admit `seq` with its cached prefix, compute all its tokens; return its block table."""
-    tokens = prompt + output
-    m.allocate(seq, len(tokens), m.match_prefix(tokens))
-    m.cache_full_blocks(seq, len(tokens), prompt, output)
+    m.allocate(seq, len(prompt), m.match_prefix(prompt))
+    m.cache_full_blocks(seq, len(prompt), prompt, [])
     return m.tables[seq]
 
 
