@@ -96,3 +96,22 @@ def test_prefix_cache_counters_count_exactly(checkpoints: dict[str, Path]) -> No
     assert 'moetier:prefix_cache_queries_total{model_name="tiny"} 51.0' in text
     assert 'moetier:prefix_cache_hits_total{model_name="tiny"} 20.0' in text
     assert 'moetier:kv_cache_blocks_cached{model_name="tiny"}' in text
+
+
+def test_an_aborted_chunked_prefill_leaves_only_computed_blocks(
+    checkpoints: dict[str, Path],
+) -> None:
+    llm = _llm(checkpoints["mixtral"], True, max_num_batched_tokens=6)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    req = eng.add_request(PROMPTS[4], params)  # 17 tokens: chunks of 6
+    eng.step()
+    eng.step()  # 12 tokens computed: 3 blocks cached
+    assert req.num_computed_tokens == 12 and len(eng.blocks.hash_of) == 3
+    assert eng.abort(req.request_id)
+    eng.step()
+    eng.check_integrity()
+    assert (eng.blocks.num_used, eng.blocks.num_cached) == (0, 3)
+    got = _greedy(llm, [PROMPTS[4]], 4)
+    assert eng.scheduler.prefix_cache_hits == 12
+    assert got == _greedy(_llm(checkpoints["mixtral"], False), [PROMPTS[4]], 4)
