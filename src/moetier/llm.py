@@ -221,6 +221,11 @@ class LLM:
             self.engine.runner.end_request(-1)
         return logits[0].cpu()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the KV prefix cache (do it after changing the model's weights or routing, which
+        changes the K/V a prompt would get); the number of cached blocks dropped."""
+        return self.engine.blocks.reset_prefix_cache()
+
     def offload_stats(self) -> dict[str, float]:
         """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time) and of
         the KV prefix cache (tokens looked up and reused at admission)."""

@@ -118,3 +118,17 @@ def test_integrity_catches_a_shared_unhashed_block_and_a_wrong_refcount() -> Non
     m.refcounts[0] = 1
     with pytest.raises(AssertionError, match="refcounts"):
         m.check_integrity()
+
+
+def test_reset_forgets_every_hash() -> None:
+    m = BlockManager(num_blocks=4, block_size=2, prefix_caching=True)
+    _run(m, 0, [1, 2, 3, 4])
+    m.free(0)
+    _run(m, 1, [5, 6, 7, 8, 9])  # blocks 2, 3 and 1 (the oldest cached block evicted)
+    assert list(m.evictable) == [0] and m.tables[1] == [2, 3, 1]
+    assert m.reset_prefix_cache() == 1
+    assert m.free_blocks == [0] and m.hash_of == {} and m.match_prefix([5, 6, 7, 8, 9]) == []
+    m.check_integrity()
+    m.free(1)  # held blocks that were hashed come back as free blocks
+    assert m.free_blocks == [0, 1, 3, 2] and m.num_cached == 0
+    m.check_integrity()

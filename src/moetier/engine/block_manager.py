@@ -161,6 +161,17 @@ class BlockManager:
                     self.free_blocks.append(b)
         return len(table)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every block's hash (after anything that changes what K/V a token gets, e.g.
+        new weights or a routing override): cached blocks become free blocks, held ones are
+        freed, not cached, when released. The number of cached blocks dropped."""
+        dropped = len(self.evictable)
+        self.free_blocks.extend(reversed(self.evictable))  # least recently released: last out
+        self.evictable.clear()
+        self.hash_of.clear()
+        self.cached.clear()
+        return dropped
+
     def slot(self, seq_id: int, position: int) -> int:
         """The flat token slot (block * BS + offset) holding `position` of `seq_id`."""
         block = self.tables[seq_id][position // self.block_size]
