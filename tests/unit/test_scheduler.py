@@ -2,6 +2,7 @@
 
 from moetier.config import SchedulerConfig
 from moetier.core import Request, SamplingParams
+from moetier.engine.batch import SchedulerOutput
 from moetier.engine.scheduler import Scheduler
 
 
@@ -112,14 +113,14 @@ def test_preempting_a_scheduled_decode_refunds_its_budget() -> None:
     blocks.check_integrity()
 
 
-def _step(s: Scheduler, out: object) -> None:
+def _step(s: Scheduler, out: SchedulerOutput) -> None:
     """What the engine does after a step: advance the counters and cache the full blocks."""
-    for x in out.scheduled:  # type: ignore[attr-defined]
+    for x in out.scheduled:
         samples = x.samples
         x.request.num_computed_tokens += x.num_new_tokens
         s.computed(x.request)
         if samples:
-            x.request.output_token_ids.append(9)
+            x.request.output_token_ids.append(9)  # the sampled token
 
 
 def test_admission_starts_at_the_cached_prefix_and_counts_it() -> None:

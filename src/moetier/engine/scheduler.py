@@ -141,7 +141,8 @@ class Scheduler:
         if self.blocks is None:
             return
         for req in self.waiting:
-            assert req.num_computed_tokens == 0 and req.request_id not in self.blocks.tables
+            assert req.num_computed_tokens == 0, "a waiting request has computed tokens"
+            assert req.request_id not in self.blocks.tables, "a waiting request holds blocks"
         for req in self.running:
             have = len(self.blocks.tables.get(req.request_id, ()))
             assert self.blocks.blocks_for(req.num_computed_tokens) <= have, "K/V without blocks"
