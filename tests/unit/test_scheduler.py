@@ -183,3 +183,47 @@ def test_chunked_prefill_caches_blocks_as_chunks_complete() -> None:
     ]
     assert blocks.tables[1][:3] == [0, 1, 2] and s.prefix_cache_hits == 6
     s.check_integrity()
+
+
+def test_random_traffic_never_writes_a_shared_block_and_reads_its_own_tokens() -> None:
+    """Engine steps simulated on a tiny pool (arrivals sharing prefixes, chunked prefill,
+    preemption, aborts): every position a chunk writes lies in a block only its request holds
+    and no hash names, every position it reads holds K/V of its own token prefix, and the
+    invariants hold after each step."""
+    import random
+
+    from moetier.engine.block_manager import BlockManager
+
+    rng = random.Random(7)
+    blocks = BlockManager(num_blocks=10, block_size=2, prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7), blocks)
+    written: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix its K/V was computed for
+    bases = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9], [7, 7]]
+    next_id = 0
+    for _ in range(2000):
+        if rng.random() < 0.4:
+            prompt = rng.choice(bases)[: rng.randint(1, 6)] + [rng.randint(1, 3)] * rng.randint(0, 5)
+            s.add(Request(next_id, prompt, SamplingParams(max_tokens=rng.randint(1, 6))))
+            next_id += 1
+        if rng.random() < 0.05 and (s.running or s.waiting):
+            s.finish(rng.choice([*s.running, *s.waiting]))  # an abort
+        out = s.schedule()
+        for x in out.scheduled:
+            r, start = x.request, x.request.num_computed_tokens
+            toks = r.all_token_ids
+            for p in range(start):
+                assert written[blocks.slot(r.request_id, p)] == tuple(toks[: p + 1])
+            for p in range(start, start + x.num_new_tokens):
+                b = blocks.tables[r.request_id][p // 2]
+                assert blocks.refcounts[b] == 1 and b not in blocks.hash_of
+                written[blocks.slot(r.request_id, p)] = tuple(toks[: p + 1])
+        for x in out.scheduled:
+            r, samples = x.request, x.samples
+            r.num_computed_tokens += x.num_new_tokens
+            s.computed(r)
+            if samples:
+                r.output_token_ids.append(rng.randint(1, 3))
+                if len(r.output_token_ids) == r.params.max_tokens:
+                    s.finish(r)
+        s.check_integrity()
+    assert s.prefix_cache_hits > 100 and s.num_preemptions > 5
