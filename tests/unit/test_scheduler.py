@@ -202,7 +202,8 @@ def test_random_traffic_never_writes_a_shared_block_and_reads_its_own_tokens() -
     next_id = 0
     for _ in range(2000):
         if rng.random() < 0.4:
-            prompt = rng.choice(bases)[: rng.randint(1, 6)] + [rng.randint(1, 3)] * rng.randint(0, 5)
+            tail = [rng.randint(1, 3)] * rng.randint(0, 5)
+            prompt = rng.choice(bases)[: rng.randint(1, 6)] + tail
             s.add(Request(next_id, prompt, SamplingParams(max_tokens=rng.randint(1, 6))))
             next_id += 1
         if rng.random() < 0.05 and (s.running or s.waiting):
