@@ -26,7 +26,8 @@ BlockHash = bytes
 
 def block_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     """The content address of a full block: SHA-256 of the parent's hash and the block's token
-    ids (a collision would serve another prompt's K/V, so not Python's reversible `hash`)."""
+    ids (a collision would serve another prompt's K/V: not Python's `hash`, whose collisions
+    can be crafted)."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
