@@ -14,7 +14,7 @@ from moetier.bench.cli import add_bench_parser
 from moetier.config import format_bytes
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
-from moetier.server.cli import PREFETCH_HELP, add_serve_parser
+from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
 from moetier.threads import THREADS_HELP, threads_arg
 
 
@@ -45,6 +45,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=PREFIX_CACHING_HELP,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefetch_ahead=args.prefetch_ahead,
         seed=args.seed or 0,
         threads=args.threads,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

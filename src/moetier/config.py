@@ -137,6 +137,10 @@ class CacheConfig:
     num_blocks: int | None = None  # None = what kv_cache_bytes buys
     kv_cache_bytes: Budget = None  # None = 4 GiB on CUDA, 512 MiB on CPU (capped by need)
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    # Automatic prefix caching (engine/block_manager.py): full KV blocks are kept by content
+    # after their request ends and a prompt starting with the same tokens reuses them instead
+    # of recomputing. Exact (greedy tokens equal with it off); on by default, as in vLLM.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _at_least_1("kv_block_size", self.block_size, "tokens per KV block")
@@ -144,6 +148,10 @@ class CacheConfig:
             _at_least_1("num_kv_blocks", self.num_blocks, "KV blocks (None = sized from memory)")
         if self.max_model_len is not None:
             _at_least_1("max_model_len", self.max_model_len, "tokens (None = the checkpoint's)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
 
 
 def _at_least_1(name: str, value: object, what: str) -> None:

@@ -106,10 +106,13 @@ class LLM:
         prefetch_ahead: int = 1,
         threads: int | None = None,
         late_reads: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> None:
         # Every setting is checked before any work (the demo build, the checkpoint load).
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
-        cache = CacheConfig(kv_block_size, num_kv_blocks, None, max_model_len)
+        cache = CacheConfig(
+            kv_block_size, num_kv_blocks, None, max_model_len, enable_prefix_caching
+        )
         _check_budgets_and_policy(expert_budget, host_budget, policy, prefetch)
         threads = check_threads(threads)
         offload = OffloadConfig(
@@ -220,14 +223,23 @@ class LLM:
             self.engine.runner.end_request(-1)
         return logits[0].cpu()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the KV prefix cache (do it after changing the model's weights or routing, which
+        changes the K/V a prompt would get); the number of cached blocks dropped."""
+        return self.engine.blocks.reset_prefix_cache()
+
     def offload_stats(self) -> dict[str, float]:
-        """Counters of the expert tiers: hits by tier, bytes moved, exposed fetch time."""
+        """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time) and of
+        the KV prefix cache (tokens looked up and reused at admission)."""
         stats = self.engine.runner.stats.to_dict()
         plan = self.engine.runner.tier_plan
+        sched = self.engine.scheduler
         stats.update(
             device_slots=plan.device_slots,
             host_rows=plan.host_rows,
             total_experts=plan.total_experts,
             expert_bytes=plan.expert_bytes,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
         )
         return stats

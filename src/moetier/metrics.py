@@ -75,6 +75,16 @@ _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
         {},
     ),
     "num_preemptions": ("moetier:num_preemptions", "Requests preempted (KV blocks ran out)", {}),
+    "prefix_cache_queries": (
+        "moetier:prefix_cache_queries",
+        "Tokens of admitted requests looked up in the KV prefix cache",
+        {},
+    ),
+    "prefix_cache_hits": (
+        "moetier:prefix_cache_hits",
+        "Tokens of admitted requests found in the KV prefix cache (not recomputed)",
+        {},
+    ),
     "prefetches_issued": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "issued"}),
     "prefetches_used": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "used"}),
     "prefetches_in_time": ("moetier:expert_prefetches", _PREFETCH_DOC, {"outcome": "in_time"}),
@@ -120,7 +130,14 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("moetier:num_requests_running", "Requests in the running batch"),
     "num_requests_waiting": ("moetier:num_requests_waiting", "Requests waiting to be scheduled"),
     "kv_blocks_used": ("moetier:kv_cache_blocks_used", "KV cache blocks held by requests"),
-    "kv_blocks_free": ("moetier:kv_cache_blocks_free", "KV cache blocks free"),
+    "kv_blocks_free": (
+        "moetier:kv_cache_blocks_free",
+        "KV cache blocks an allocation can take (cached blocks no request holds included)",
+    ),
+    "kv_blocks_cached": (
+        "moetier:kv_cache_blocks_cached",
+        "KV cache blocks kept for prefix reuse that no request holds (evictable)",
+    ),
     "kv_blocks_total": ("moetier:kv_cache_blocks_total", "KV cache blocks in the pool"),
     "device_slots": ("moetier:expert_device_slots", "Device expert slots in the pool"),
 }

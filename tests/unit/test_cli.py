@@ -70,3 +70,15 @@ def test_stop_string_cuts_text(ckpt: Path) -> None:
     cut = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
     assert cut.outputs[0].text == text[: text.find(stop)]
     assert cut.outputs[0].finish_reason == "stop"
+
+
+def test_prefix_caching_flag_reaches_the_engine() -> None:
+    from moetier.cli import build_parser
+    from moetier.server.cli import _engine_args
+
+    p = build_parser()
+    assert p.parse_args(["generate"]).enable_prefix_caching is True
+    assert p.parse_args(["generate", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert _engine_args(p.parse_args(["serve"])).enable_prefix_caching is True
+    off = _engine_args(p.parse_args(["serve", "--no-enable-prefix-caching"]))
+    assert off.enable_prefix_caching is False

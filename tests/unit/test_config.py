@@ -39,3 +39,11 @@ def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 1024**3) == "3.00 GiB"
+
+
+def test_prefix_caching_switch_must_be_a_bool() -> None:
+    from moetier.config import CacheConfig
+
+    assert CacheConfig().enable_prefix_caching is True
+    with pytest.raises(ConfigError, match="enable_prefix_caching must be True or False"):
+        CacheConfig(enable_prefix_caching="no")  # type: ignore[arg-type]

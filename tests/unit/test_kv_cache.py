@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.engine.kv_cache import BlockManager, PagedKVCache, decode_width, default_num_blocks
+from moetier.engine.block_manager import BlockManager
+from moetier.engine.kv_cache import PagedKVCache, decode_width, default_num_blocks
 
 
 def test_blocks_lowest_first_and_freed_blocks_reused_first() -> None:

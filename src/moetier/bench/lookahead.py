@@ -71,7 +71,9 @@ def measure_predictors(
     from moetier.core import SamplingParams
     from moetier.llm import LLM
 
-    llm = LLM(str(model), **{"expert_budget": "100%", "progress": False, **llm_kw})
+    # Prefix caching off: a shared prefix (a chat template's) must still be routed and scored.
+    defaults = {"expert_budget": "100%", "progress": False, "enable_prefix_caching": False}
+    llm = LLM(str(model), **{**defaults, **llm_kw})
     blocks = list(llm.engine.runner.model.moe_blocks())
     layers = sorted(b.layer for b in blocks)
     made: dict[str, Predictor] = {}

@@ -215,7 +215,9 @@ def run_budget(
         seed=s.seed,
         policy=s.policy,
         progress=False,
-        **s.llm_kwargs,
+        # Fixed work per run: a prompt measured again (the greedy check's, another routing's)
+        # must not reuse K/V (a routing override would even change it). bench k=v may set it.
+        **{"enable_prefix_caching": False, **s.llm_kwargs},
     )
     load_s = time.perf_counter() - t_load
     try:

@@ -140,6 +140,9 @@ def _serve_command(args: argparse.Namespace, port: int, api_key: str | None) -> 
     if args.max_num_seqs is None:
         # The sweep's largest level must fit the running batch (serve's default is 64).
         cmd += ["--max-num-seqs", str(max(64, *_concurrencies(args.max_concurrency)))]
+    # Every concurrency level (and the warm-up) sends the same prompts: without this, all but
+    # the first would prefill from the prefix cache. --serve-args can turn it back on.
+    cmd.append("--no-enable-prefix-caching")
     return cmd + shlex.split(args.serve_args)
 
 

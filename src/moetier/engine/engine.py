@@ -145,6 +145,8 @@ class Engine:
     ) -> list[RequestDelta]:
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            if all(s is not b for b in bad):  # a failing request's K/V is never shared
+                self.scheduler.computed(s.request)
         out = self._fail(bad, FloatingPointError("non-finite logits")) if bad else []
         out += self._take_pending()
         for s, tok in zip(rows, tokens):
@@ -226,14 +228,18 @@ class Engine:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_free=self.blocks.num_free,
             kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_cached=self.blocks.num_cached,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             device_slots=self.runner.tier_plan.device_slots,
         )
         return out
 
     def check_integrity(self) -> None:
-        """Assert the KV block manager and the expert cache are consistent."""
-        self.blocks.check_integrity()
+        """Assert the scheduler's KV blocks (tables, refcounts, free and cached lists) and the
+        expert cache are consistent."""
+        self.scheduler.check_integrity()
         self.runner.expert_cache.check_integrity()
 
     def to_output(self, req: Request) -> RequestOutput:

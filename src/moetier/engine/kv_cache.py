@@ -1,8 +1,8 @@
-"""Paged KV cache: a pure-Python block manager and per-layer K/V block pools.
+"""Paged KV cache: per-layer K/V block pools over the block manager (block_manager.py).
 
-Owns KV memory (which block belongs to which sequence, and the pool tensors); knows nothing of
-scheduling policy or sampling. The scheduler decides who gets blocks; attention reads and writes
-the pools through the per-step `KVBatch` built by the model runner.
+Owns KV memory (the pool tensors and the step's addressing through the block tables); knows
+nothing of scheduling policy or sampling. The scheduler decides who gets blocks; attention reads
+and writes the pools through the per-step `KVBatch` built by the model runner.
 """
 
 from __future__ import annotations
@@ -10,71 +10,12 @@ from __future__ import annotations
 import torch
 
 from moetier.config import CacheConfig, parse_budget
+from moetier.engine.block_manager import BlockManager
 from moetier.errors import ConfigError
 from moetier.layers.context import KVBatch
 
 # Legend: NB blocks, BS tokens per block, S = NB * BS token slots, Hkv KV heads, d head dim,
 # B decode sequences in a step, L history length (padded to the longest in the step).
-
-
-class BlockManager:
-    """Fixed-size blocks from one free list; one block table (list of block ids) per sequence.
-
-    Blocks are handed out lowest id first and a freed sequence's blocks are reused first (LIFO),
-    so tests can assert exact ids.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        assert num_blocks > 0 and block_size > 0
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> lowest
-        self.tables: dict[int, list[int]] = {}
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        """True when `seq_id` can hold `num_tokens` tokens after allocating what it lacks."""
-        have = len(self.tables.get(seq_id, ()))
-        return self.blocks_for(num_tokens) - have <= len(self.free_blocks)
-
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow `seq_id`'s table to cover `num_tokens` tokens; return the newly added block ids."""
-        table = self.tables.setdefault(seq_id, [])
-        need = self.blocks_for(num_tokens) - len(table)
-        if need > len(self.free_blocks):
-            raise MemoryError(
-                f"KV cache: sequence {seq_id} needs {need} more blocks, {self.num_free} free"
-            )
-        new = [self.free_blocks.pop() for _ in range(max(need, 0))]
-        table.extend(new)
-        return new
-
-    def free(self, seq_id: int) -> int:
-        """Return `seq_id`'s blocks to the free list; the number freed (0 if it had none)."""
-        table = self.tables.pop(seq_id, [])
-        self.free_blocks.extend(reversed(table))
-        return len(table)
-
-    def slot(self, seq_id: int, position: int) -> int:
-        """The flat token slot (block * BS + offset) holding `position` of `seq_id`."""
-        block = self.tables[seq_id][position // self.block_size]
-        return block * self.block_size + position % self.block_size
-
-    def check_integrity(self) -> None:
-        used = [b for t in self.tables.values() for b in t]
-        assert len(used) == len(set(used)), "a block belongs to two sequences"
-        assert not set(used) & set(self.free_blocks), "a used block is also free"
-        assert len(used) + len(self.free_blocks) == self.num_blocks, "blocks leaked"
 
 
 class PagedKVCache:
@@ -222,4 +163,5 @@ def build_kv_cache(
         )
     if num_blocks < 1:
         raise ConfigError(f"KV cache needs at least one block, got num_blocks={num_blocks}")
-    return PagedKVCache(BlockManager(num_blocks, cache.block_size), device)
+    blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+    return PagedKVCache(blocks, device)

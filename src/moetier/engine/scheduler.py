@@ -4,6 +4,9 @@ Pure Python; owns the waiting and running queues and who holds KV blocks, not th
 One progress counter per request (num_computed_tokens against num_tokens) drives prefill,
 chunked prefill, decode and recompute after preemption alike: when blocks run out, the newest
 running request is preempted (its blocks freed, its counter reset to 0) and requeued first.
+With prefix caching, an admitted request's counter starts at the tokens its cached prefix
+blocks already hold (a preempted one may hit its own blocks), and `computed` hashes the blocks
+a step filled.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import deque
 from moetier.config import SchedulerConfig
 from moetier.core import Request
 from moetier.engine.batch import ScheduledRequest, SchedulerOutput
-from moetier.engine.kv_cache import BlockManager
+from moetier.engine.block_manager import BlockManager
 
 
 class Scheduler:
@@ -23,6 +26,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prefix cache, counted at admission: tokens of the admitted requests looked up, and
+        # the tokens their cached prefix blocks held (not recomputed).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -54,16 +61,40 @@ class Scheduler:
             and preempted == self.num_preemptions
         ):
             req = self.waiting[0]
+            if not self._admit(req, budget):
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.blocks is not None:
-                if not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + n):
-                    break
-                self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
             self.waiting.popleft()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Allocate blocks for a waiting request's first chunk, starting its table with its
+        cached prefix blocks and its counter at the tokens they hold; False if it does not fit
+        (nothing changed)."""
+        if self.blocks is None:
+            return True
+        assert req.num_computed_tokens == 0, "a waiting request has computed nothing"
+        prefix = self.blocks.match_prefix(req.all_token_ids)
+        start = len(prefix) * self.blocks.block_size
+        need = start + min(req.num_tokens - start, budget)
+        if not self.blocks.can_allocate(req.request_id, need, prefix):
+            return False
+        self.blocks.allocate(req.request_id, need, prefix)
+        req.num_computed_tokens = start
+        if self.blocks.prefix_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += start
+        return True
+
+    def computed(self, req: Request) -> None:
+        """A step computed req's K/V up to its counter: its newly full blocks become cached."""
+        if self.blocks is not None:
+            self.blocks.cache_full_blocks(
+                req.request_id, req.num_computed_tokens, req.prompt_token_ids, req.output_token_ids
+            )
 
     def _is_running(self, req: Request) -> bool:
         return any(r is req for r in self.running)
@@ -103,6 +134,19 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if r is not request)
         if self.blocks is not None:
             self.blocks.free(request.request_id)
+
+    def check_integrity(self) -> None:
+        """Waiting requests hold no blocks and have computed nothing; each running request's
+        table covers its computed tokens; then the block manager's own invariants."""
+        if self.blocks is None:
+            return
+        for req in self.waiting:
+            assert req.num_computed_tokens == 0, "a waiting request has computed tokens"
+            assert req.request_id not in self.blocks.tables, "a waiting request holds blocks"
+        for req in self.running:
+            have = len(self.blocks.tables.get(req.request_id, ()))
+            assert self.blocks.blocks_for(req.num_computed_tokens) <= have, "K/V without blocks"
+        self.blocks.check_integrity()
 
     def find(self, request_id: int) -> Request | None:
         for req in (*self.running, *self.waiting):

@@ -26,6 +26,10 @@ PREFETCH_HELP = (
     "activation, gate-lookahead); "
     "default: off; only acts when experts are offloaded"
 )
+PREFIX_CACHING_HELP = (
+    "reuse the KV blocks of earlier requests' identical prompt prefixes instead of recomputing "
+    "them (exact; default: on)"
+)
 # Once the shutdown grace period is over, in-flight requests get their final error event (or 503)
 # and this long to send it; uvicorn then cancels whatever is still running.
 _FLUSH_S = 5.0
@@ -61,6 +65,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=_positive, default=None)
     p.add_argument("--num-kv-blocks", type=_positive, default=None)
     p.add_argument("--kv-block-size", type=_positive, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help=PREFIX_CACHING_HELP)  # fmt: skip
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=30.0,
@@ -175,6 +181,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         kv_block_size=args.kv_block_size,
         max_model_len=args.max_model_len,
         threads=args.threads,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

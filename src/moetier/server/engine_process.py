@@ -48,6 +48,7 @@ class EngineArgs:
     kv_block_size: int = 16
     max_model_len: int | None = None
     threads: int | None = None  # torch CPU threads; None = auto (threads.py)
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -115,6 +116,7 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             kv_block_size=args.kv_block_size,
             max_model_len=args.max_model_len,
             threads=args.threads,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which exits
         out_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
