@@ -201,6 +201,47 @@ FAMILIES: dict[str, Family] = {
             rope_interleave=False,
         ),
     ),
+    # GQA with partial rotary (head_dim 24 != hidden / heads, 12 channels rotate), q/k/v bias,
+    # per-head q/k norm; hidden 80 (not a power of two); layer 0 dense; DeepSeek-V3's sigmoid
+    # group-limited router with correction bias and routed scaling; one shared expert. Fused:
+    # no bias or q/k norm, a quarter of the channels rotate, one group, no renormalization.
+    "glm4_moe": Family(
+        "glm4_moe",
+        dict(
+            hidden_size=80,
+            intermediate_size=112,
+            moe_intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            partial_rotary_factor=0.5,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=24,
+        host_case=("50%", "75%"),
+        host_rows=18,
+        main=dict(
+            attention_bias=True,
+            use_qk_norm=True,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        fused=dict(
+            partial_rotary_factor=0.25,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

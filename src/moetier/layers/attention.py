@@ -15,7 +15,7 @@ from torch import nn
 
 from moetier.layers.context import ForwardContext
 from moetier.layers.norm import RMSNorm
-from moetier.layers.rotary import RotaryEmbedding
+from moetier.layers.rotary import RotaryEmbedding, rope_parameters
 
 # Legend: T tokens in the step, H query heads, Hkv KV heads, L cached tokens, d head dim.
 
@@ -90,7 +90,8 @@ class Attention(nn.Module):
 
     qk_norm: None, "head" (per-head RMSNorm, Qwen3) or "full" (RMSNorm over the whole
     projection, OLMoE). bias applies to q/k/v; o_bias to o_proj (Qwen3-MoE and OLMoE bias all four
-    under `attention_bias`, Qwen2-MoE only q/k/v).
+    under `attention_bias`, Qwen2-MoE only q/k/v). partial_rotary rotates only the first
+    head_dim * partial_rotary_factor channels of each head (GLM-4.5).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: str | None = None,
         o_bias: bool = False,
+        partial_rotary: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -118,7 +120,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps)
             self.k_norm = RMSNorm(self.n_kv * self.head_dim, eps)
         self.clip_qkv = getattr(config, "clip_qkv", None)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        rotary_dim = self.head_dim
+        if partial_rotary:
+            factor = rope_parameters(config).get("partial_rotary_factor", 1.0)
+            rotary_dim = int(self.head_dim * factor)
+        self.rotary = RotaryEmbedding(config, rotary_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
