@@ -242,6 +242,54 @@ FAMILIES: dict[str, Family] = {
             routed_scaling_factor=1.5,
         ),
     ),
+    # Llama 4 text: experts fused and transposed on disk, top-1 sigmoid router scaling the
+    # expert's input, shared expert; layers 1 and 3 MoE (interleave step 2); layers 0 and 2
+    # RoPE with L2 q/k norm and chunked attention (chunk 8 < the prompts + 32 new tokens), 1
+    # and 3 NoPE with temperature tuning (floor_scale 4: the scale changes within the test);
+    # hidden 72, head_dim 24 != hidden / heads. Fused (already fused): llama3 rope, every layer
+    # MoE and full attention, no q/k norm or temperature.
+    "llama4": Family(
+        "llama4_text",
+        dict(
+            hidden_size=72,
+            intermediate_size=40,
+            intermediate_size_mlp=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=16,
+        host_case=("50%", "75%"),
+        host_rows=12,
+        main=dict(
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            attention_bias=True,
+        ),
+        fused=dict(
+            interleave_moe_layer_step=1,
+            no_rope_layers=[1, 1, 1, 1],
+            attention_chunk_size=None,
+            use_qk_norm=False,
+            attn_temperature_tuning=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

@@ -28,11 +28,13 @@ def attend(
     v: torch.Tensor | None,
     scale: float,
     v_dim: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
 
     v None: values are the first `v_dim` channels of the keys (MLA's cached latent), so only
-    the key pool is stored.
+    the key pool is stored. chunk: local attention in chunks of that many positions (Llama 4's
+    chunked layers): a query at position p sees keys from p // chunk * chunk to p only.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
@@ -53,8 +55,9 @@ def attend(
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]
         kd = k_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dk]
         vd = v_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dv]
+        mask = meta.decode_mask if chunk is None else _chunked_decode_mask(ctx, chunk)
         dec = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
         ).squeeze(2)  # [B, H, dv]
         if out is None:
             return dec
@@ -66,21 +69,47 @@ def attend(
         ks = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dk]
         vs = v_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dv]
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=_causal_mask(ctx, i, q.device), scale=scale, enable_gqa=True
+            qs,
+            ks,
+            vs,
+            attn_mask=_causal_mask(ctx, i, q.device, chunk),
+            scale=scale,
+            enable_gqa=True,
         )
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out
 
 
-def _causal_mask(ctx: ForwardContext, i: int, device: torch.device) -> torch.Tensor:
-    """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j."""
-    key = ("causal_mask", i)
+def _causal_mask(
+    ctx: ForwardContext, i: int, device: torch.device, chunk: int | None = None
+) -> torch.Tensor:
+    """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j
+    (with `chunk`, only those from the start of its chunk on)."""
+    key = ("causal_mask", i, chunk)
     mask = ctx.memo.get(key)
     if mask is None:
         span = ctx.spans[i]
         n_q = span.end - span.start
-        rows = torch.arange(n_q, device=device)[:, None] + span.past
-        mask = torch.arange(span.past + n_q, device=device)[None, :] <= rows
+        rows = torch.arange(n_q, device=device)[:, None] + span.past  # [q, 1]
+        cols = torch.arange(span.past + n_q, device=device)[None, :]  # [1, L]
+        mask = cols <= rows
+        if chunk is not None:
+            mask &= cols >= rows // chunk * chunk
+        ctx.memo[key] = mask
+    return mask
+
+
+def _chunked_decode_mask(ctx: ForwardContext, chunk: int) -> torch.Tensor:
+    """The decode padding mask [B, 1, 1, L] keeping only keys in each query's own chunk: column
+    j of a decode row's slots is position j. Read from the positions tensor (no host sync)."""
+    key = ("chunked_decode_mask", chunk)
+    mask = ctx.memo.get(key)
+    if mask is None:
+        meta = ctx.kv_batch
+        assert meta.decode_mask is not None and meta.decode_rows is not None
+        start = ctx.positions[meta.decode_rows] // chunk * chunk  # [B]
+        cols = torch.arange(meta.decode_mask.shape[-1], device=start.device)  # [L]
+        mask = meta.decode_mask & (cols[None, :] >= start[:, None])[:, None, None, :]
         ctx.memo[key] = mask
     return mask
 

@@ -42,6 +42,7 @@ def _load_builtin() -> None:
     from moetier.models import (  # noqa: F401
         deepseek,
         glm4_moe,
+        llama4,
         mixtral,
         olmoe,
         qwen2_moe,
