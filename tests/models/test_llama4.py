@@ -1,5 +1,6 @@
 """Llama 4 specifics beyond the cross-family suite: the router's hand-over to MoEBlock survives
-a predictor calling other layers' routers mid-layer, and top-k above 1 is refused clearly."""
+a predictor calling other layers' routers mid-layer and the bench swapping the gates, and top-k
+above 1 is refused clearly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from moetier import LLM
 from moetier.errors import UnsupportedModelError
 from tests.models.families import FAMILIES
-from tests.models.parity import check_parity
+from tests.models.parity import NEW_TOKENS, PROMPTS, check_parity, moetier_greedy
 from tests.models.test_prefetch_parity import waves_budget
 
 
@@ -26,3 +27,17 @@ def test_top_k_above_one_is_refused(tmp_path: Path) -> None:
     ckpt = FAMILIES["llama4"].checkpoint(tmp_path / "llama4", num_experts_per_tok=2)
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=2"):
         LLM(str(ckpt), device="cpu", dtype="float32", progress=False)
+
+
+def test_bench_routing_override_runs_and_undoes(tmp_path: Path) -> None:
+    # The bench swaps each block's gate for a wrapper without the score hand-over: the block
+    # then weighs outputs as any MoE layer does, and gets its own router back on undo.
+    from moetier.bench.routing_override import UniformRouting, install
+
+    ckpt = FAMILIES["llama4"].checkpoint(tmp_path / "llama4")
+    llm = LLM(str(ckpt), expert_budget="50%", device="cpu", dtype="float32", progress=False)
+    before = moetier_greedy(llm, PROMPTS[:1])
+    undo = install(llm.engine.runner.model.moe_blocks(), UniformRouting(8, 1, seed=0))
+    assert len(moetier_greedy(llm, PROMPTS[:1])[0]) == NEW_TOKENS
+    undo()
+    assert moetier_greedy(llm, PROMPTS[:1]) == before
