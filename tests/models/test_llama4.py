@@ -1,6 +1,6 @@
 """Llama 4 specifics beyond the cross-family suite: the router's hand-over to MoEBlock survives
-a predictor calling other layers' routers mid-layer and the bench swapping the gates, and top-k
-above 1 is refused clearly."""
+a predictor calling other layers' routers mid-layer and the bench swapping the gates, chunked
+prefill keeps the attention chunks, and top-k above 1 is refused clearly."""
 
 from __future__ import annotations
 
@@ -41,3 +41,10 @@ def test_bench_routing_override_runs_and_undoes(tmp_path: Path) -> None:
     assert len(moetier_greedy(llm, PROMPTS[:1])[0]) == NEW_TOKENS
     undo()
     assert moetier_greedy(llm, PROMPTS[:1]) == before
+
+
+def test_parity_with_chunked_prefill(tmp_path: Path) -> None:
+    # Prefill chunks of 5 tokens straddle the attention chunks of 8 (the span's causal mask
+    # starts at its cached tokens) while shorter prompts already decode in the same steps.
+    ckpt = FAMILIES["llama4"].checkpoint(tmp_path / "llama4")
+    check_parity(ckpt, "50%", max_num_batched_tokens=5)
