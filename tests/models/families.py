@@ -201,6 +201,95 @@ FAMILIES: dict[str, Family] = {
             rope_interleave=False,
         ),
     ),
+    # GQA with partial rotary (head_dim 24 != hidden / heads, 12 channels rotate), q/k/v bias,
+    # per-head q/k norm; hidden 80 (not a power of two); layer 0 dense; DeepSeek-V3's sigmoid
+    # group-limited router with correction bias and routed scaling; one shared expert. Fused:
+    # no bias or q/k norm, a quarter of the channels rotate, one group, no renormalization.
+    "glm4_moe": Family(
+        "glm4_moe",
+        dict(
+            hidden_size=80,
+            intermediate_size=112,
+            moe_intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            partial_rotary_factor=0.5,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=24,
+        host_case=("50%", "75%"),
+        host_rows=18,
+        main=dict(
+            attention_bias=True,
+            use_qk_norm=True,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        fused=dict(
+            partial_rotary_factor=0.25,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+        ),
+    ),
+    # Llama 4 text: experts fused and transposed on disk, top-1 sigmoid router scaling the
+    # expert's input, shared expert; layers 1 and 3 MoE (interleave step 2); layers 0 and 2
+    # RoPE with L2 q/k norm and chunked attention (chunk 8 < the prompts + 32 new tokens), 1
+    # and 3 NoPE with temperature tuning (floor_scale 4: the scale changes within the test);
+    # hidden 72, head_dim 24 != hidden / heads. Fused (already fused): llama3 rope, every layer
+    # MoE and full attention, no q/k norm or temperature.
+    "llama4": Family(
+        "llama4_text",
+        dict(
+            hidden_size=72,
+            intermediate_size=40,
+            intermediate_size_mlp=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=16,
+        host_case=("50%", "75%"),
+        host_rows=12,
+        main=dict(
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            attention_bias=True,
+        ),
+        fused=dict(
+            interleave_moe_layer_step=1,
+            no_rope_layers=[1, 1, 1, 1],
+            attention_chunk_size=None,
+            use_qk_norm=False,
+            attn_temperature_tuning=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

@@ -15,7 +15,7 @@ from torch import nn
 
 from moetier.layers.context import ForwardContext
 from moetier.layers.norm import RMSNorm
-from moetier.layers.rotary import RotaryEmbedding
+from moetier.layers.rotary import RotaryEmbedding, rope_parameters
 
 # Legend: T tokens in the step, H query heads, Hkv KV heads, L cached tokens, d head dim.
 
@@ -28,11 +28,13 @@ def attend(
     v: torch.Tensor | None,
     scale: float,
     v_dim: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
 
     v None: values are the first `v_dim` channels of the keys (MLA's cached latent), so only
-    the key pool is stored.
+    the key pool is stored. chunk: local attention in chunks of that many positions (Llama 4's
+    chunked layers): a query at position p sees keys from p // chunk * chunk to p only.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
@@ -54,8 +56,9 @@ def attend(
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]
         kd = k_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dk]
         vd = v_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dv]
+        mask = meta.decode_mask if chunk is None else _chunked_decode_mask(ctx, chunk)
         dec = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
         ).squeeze(2)  # [B, H, dv]
         if out is None:
             return dec
@@ -66,7 +69,7 @@ def attend(
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
         ks = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dk]
         vs = v_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dv]
-        if span.past == 0 and q.is_cuda:
+        if span.past == 0 and chunk is None and q.is_cuda:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
             # kernel (native GQA); a mask would send it to a slower kernel.
             o = F.scaled_dot_product_attention(
@@ -74,21 +77,47 @@ def attend(
             )
         else:
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=_causal_mask(ctx, i, q.device), scale=scale, enable_gqa=True
+                qs,
+                ks,
+                vs,
+                attn_mask=_causal_mask(ctx, i, q.device, chunk),
+                scale=scale,
+                enable_gqa=True,
             )
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out
 
 
-def _causal_mask(ctx: ForwardContext, i: int, device: torch.device) -> torch.Tensor:
-    """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j."""
-    key = ("causal_mask", i)
+def _causal_mask(
+    ctx: ForwardContext, i: int, device: torch.device, chunk: int | None = None
+) -> torch.Tensor:
+    """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j
+    (with `chunk`, only those from the start of its chunk on)."""
+    key = ("causal_mask", i, chunk)
     mask = ctx.memo.get(key)
     if mask is None:
         span = ctx.spans[i]
         n_q = span.end - span.start
-        rows = torch.arange(n_q, device=device)[:, None] + span.past
-        mask = torch.arange(span.past + n_q, device=device)[None, :] <= rows
+        rows = torch.arange(n_q, device=device)[:, None] + span.past  # [q, 1]
+        cols = torch.arange(span.past + n_q, device=device)[None, :]  # [1, L]
+        mask = cols <= rows
+        if chunk is not None:
+            mask &= cols >= rows // chunk * chunk
+        ctx.memo[key] = mask
+    return mask
+
+
+def _chunked_decode_mask(ctx: ForwardContext, chunk: int) -> torch.Tensor:
+    """The decode padding mask [B, 1, 1, L] keeping only keys in each query's own chunk: column
+    j of a decode row's slots is position j. Read from the positions tensor (no host sync)."""
+    key = ("chunked_decode_mask", chunk)
+    mask = ctx.memo.get(key)
+    if mask is None:
+        meta = ctx.kv_batch
+        assert meta.decode_mask is not None and meta.decode_rows is not None
+        start = ctx.positions[meta.decode_rows] // chunk * chunk  # [B]
+        cols = torch.arange(meta.decode_mask.shape[-1], device=start.device)  # [L]
+        mask = meta.decode_mask & (cols[None, :] >= start[:, None])[:, None, None, :]
         ctx.memo[key] = mask
     return mask
 
@@ -98,7 +127,8 @@ class Attention(nn.Module):
 
     qk_norm: None, "head" (per-head RMSNorm, Qwen3) or "full" (RMSNorm over the whole
     projection, OLMoE). bias applies to q/k/v; o_bias to o_proj (Qwen3-MoE and OLMoE bias all four
-    under `attention_bias`, Qwen2-MoE only q/k/v).
+    under `attention_bias`, Qwen2-MoE only q/k/v). partial_rotary rotates only the first
+    head_dim * partial_rotary_factor channels of each head (GLM-4.5).
     """
 
     def __init__(
@@ -108,6 +138,7 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: str | None = None,
         o_bias: bool = False,
+        partial_rotary: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -126,7 +157,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps)
             self.k_norm = RMSNorm(self.n_kv * self.head_dim, eps)
         self.clip_qkv = getattr(config, "clip_qkv", None)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        rotary_dim = self.head_dim
+        if partial_rotary:
+            factor = rope_parameters(config).get("partial_rotary_factor", 1.0)
+            rotary_dim = int(self.head_dim * factor)
+        self.rotary = RotaryEmbedding(config, rotary_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]

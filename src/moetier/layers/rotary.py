@@ -77,8 +77,12 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, d] rotated by this step's cos/sin [T, d]."""
-        return rope(x, cos, sin, self.fused)
+        """x [T, H, d] rotated by this step's cos/sin [T, r]; with partial rotary (r < d, GLM's
+        partial_rotary_factor) only the first r channels rotate and the rest pass through."""
+        rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            return rope(x, cos, sin, self.fused)
+        return torch.cat((rope(x[..., :rot], cos, sin, self.fused), x[..., rot:]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

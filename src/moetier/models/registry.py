@@ -39,7 +39,15 @@ def register(*architectures: str) -> Callable[[Family], Family]:
 
 def _load_builtin() -> None:
     # Importing a family module registers it.
-    from moetier.models import deepseek, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+    from moetier.models import (  # noqa: F401
+        deepseek,
+        glm4_moe,
+        llama4,
+        mixtral,
+        olmoe,
+        qwen2_moe,
+        qwen3_moe,
+    )
 
 
 def supported_architectures() -> list[str]:
