@@ -96,3 +96,39 @@ print("ok")
 
 def test_triton_grouped_kernel_matches_reference_in_interpreter() -> None:
     _run_in_interpreter(_KERNEL_CHECK)
+
+
+_ALIGN_CHECK = """
+import torch
+from moetier.kernels._grouped_ffn_triton import align_triton, grouped_ffn_triton
+from moetier.kernels.expert_ffn import expert_ffn_reference
+from moetier.kernels.grouped_ffn import align
+g = torch.Generator().manual_seed(1)
+# the Triton align: the same blocks as the PyTorch one (each expert's pairs in any order)
+ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(9)]).sort(-1).values
+slots = (ids * 7 + 2).masked_fill(torch.rand(9, 3, generator=g) < 0.3, -1)
+for bm in (2, 4):
+    pairs, bslot = align_triton(ids, slots, bm, 6)
+    want_pairs, want_bslot = align(slots, bm, 6)
+    assert torch.equal(bslot, want_bslot), (bslot, want_bslot)
+    nb = bslot.numel()
+    assert pairs.shape == want_pairs.shape
+    used = bslot >= 0
+    for s in bslot[used].unique().tolist():  # per slot: the same pairs, in any row order
+        rows = torch.cat([pairs[b * bm:(b + 1) * bm] for b in range(nb) if bslot[b] == s])
+        want = torch.cat([want_pairs[b * bm:(b + 1) * bm] for b in range(nb) if want_bslot[b] == s])
+        assert sorted(rows.tolist()) == sorted(want.tolist()), (s, rows, want)
+# the kernel with it equals the reference
+x = torch.randn(9, 40, generator=g)
+pool = torch.randn(6, 3 * 24 * 40, generator=g) / 6
+w = torch.rand(9, 3, generator=g)
+full = ids.clone()
+want = expert_ffn_reference(x, pool, full, w, 24)
+got = grouped_ffn_triton(x, pool, full, w, 24, 6, experts=ids)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_triton_align_matches_torch_align_in_interpreter() -> None:
+    _run_in_interpreter(_ALIGN_CHECK)

@@ -84,7 +84,7 @@ class _Splitter:
         self.slots.append(slots)
         self.end()
         self.begin()
-        out: torch.Tensor = block.compute(x, block.provider.pool, slots, weights)
+        out: torch.Tensor = block.compute(x, block.provider.pool, slots, weights, ids)
         return out
 
 

@@ -162,6 +162,71 @@ def _combine_masked(y_ptr, slots_ptr, out_ptr, K, D, ACCUM: tl.constexpr, BLOCK:
     tl.store(out_ptr + t * D + cols, out.to(dt), mask=m)
 
 
+@triton.jit
+def _align_count(experts_ptr, slots_ptr, counts_ptr, slot_of_ptr, P, BLOCK: tl.constexpr):
+    """counts[e] = pairs of expert e in this call (slot >= 0); slot_of[e] = its slot."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = p < P
+    s = tl.load(slots_ptr + p, mask=m, other=-1)
+    e = tl.load(experts_ptr + p, mask=m, other=0)
+    valid = m & (s >= 0)
+    tl.atomic_add(counts_ptr + e, 1, mask=valid)
+    tl.store(slot_of_ptr + e, s, mask=valid)  # every pair of e writes the same slot
+
+
+@triton.jit
+def _align_offsets(counts_ptr, first_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """first[e] = the first block of expert e: blocks of BM pairs, experts in id order."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts_ptr + e, mask=e < E, other=0)
+    blocks = (c + BM - 1) // BM
+    tl.store(first_ptr + e, tl.cumsum(blocks, 0) - blocks, mask=e < E)
+
+
+@triton.jit
+def _align_place(
+    experts_ptr, slots_ptr, first_ptr, cursor_ptr, pairs_ptr, bslot_ptr, P,
+    BM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Each pair takes the next row of its expert's blocks; its block gets the expert's slot.
+    Rows within an expert's blocks come in atomic order: a row's result does not depend on
+    where it sits (every row is its own dot products)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = p < P
+    s = tl.load(slots_ptr + p, mask=m, other=-1)
+    e = tl.load(experts_ptr + p, mask=m, other=0)
+    valid = m & (s >= 0)
+    rank = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
+    dest = tl.load(first_ptr + e, mask=valid, other=0) * BM + rank
+    tl.store(pairs_ptr + dest, p, mask=valid)
+    tl.store(bslot_ptr + dest // BM, s, mask=valid)
+
+
+def align_triton(
+    experts: torch.Tensor, slots: torch.Tensor, bm: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_ffn.align in three launches, binned by expert id (experts [T, K] in [0, E),
+    slots [T, K], -1 = skip). Same blocks, same bound on their number; each expert's pairs in
+    atomic order within its blocks."""
+    p = slots.numel()
+    dev = slots.device
+    nb = -(-(p + min(p, num_experts) * (bm - 1)) // bm)
+    experts = experts.reshape(-1).to(torch.int32).contiguous()
+    flat = slots.reshape(-1).contiguous()
+    scratch = torch.zeros(3, num_experts, dtype=torch.int32, device=dev)
+    counts, cursor, first = scratch[0], scratch[1], scratch[2]
+    slot_of = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    pairs = torch.full((nb * bm,), p, dtype=torch.int32, device=dev)
+    block_slot = torch.full((nb,), -1, dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(p, 1024),)
+    _align_count[grid](experts, flat, counts, slot_of, p, BLOCK=1024)
+    _align_offsets[(1,)](
+        counts, first, num_experts, BM=bm, BLOCK_E=triton.next_power_of_2(num_experts)
+    )
+    _align_place[grid](experts, flat, first, cursor, pairs, block_slot, p, BM=bm, BLOCK=1024)
+    return pairs, block_slot
+
+
 @dataclass(frozen=True)
 class GroupedConfig:
     """Launch shape: pairs per block (BM), tile columns x reduction chunk, warps and pipeline
@@ -210,9 +275,12 @@ def grouped_ffn_triton(
     max_experts: int,
     out: torch.Tensor | None = None,
     cfg: GroupedConfig | None = None,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool [S, 3ID], slots [T, K] (ascending expert per row, -1 = skip), weights
-    [T, K] -> [T, D] (`out` updated in place when given)."""
+    [T, K] -> [T, D] (`out` updated in place when given). `experts` [T, K] (the pairs' expert
+    ids, < max_experts): the align runs as three Triton launches binned by them, else as
+    PyTorch ops sorting the slots."""
     t, k = slots.shape
     d = x.shape[1]
     p = t * k
@@ -225,7 +293,10 @@ def grouped_ffn_triton(
         out = torch.empty_like(x)
     if p == 0:
         return out.zero_() if not accum else out
-    pairs, block_slot = align(slots, cfg.bm, max_experts)  # [NB*BM], [NB]
+    if experts is not None:
+        pairs, block_slot = align_triton(experts, slots, cfg.bm, max_experts)  # [NB*BM], [NB]
+    else:
+        pairs, block_slot = align(slots, cfg.bm, max_experts)
     nb = block_slot.numel()
     # fp32 models keep fp32 products (no TF32); Triton's CPU interpreter gets bf16 dots wrong,
     # so there the operands are upcast (bf16 products are exact in fp32 either way)

@@ -94,11 +94,15 @@ def grouped_ffn(
     inter: int,
     max_experts: int,
     out: torch.Tensor | None = None,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The grouped kernel when Triton and the device allow it, else the reference (same
-    contract). `max_experts`: most distinct slots the call can touch (the layer's expert count)."""
+    contract). `max_experts`: most distinct slots the call can touch (the layer's expert count);
+    `experts` [T, K]: the pairs' expert ids (< max_experts), for the kernel's faster align."""
     if kernel_ok(x) and triton_available():
         from moetier.kernels import _grouped_ffn_triton as tri
 
-        return tri.grouped_ffn_triton(x, pool, slots, weights, inter, max_experts, out)
+        return tri.grouped_ffn_triton(
+            x, pool, slots, weights, inter, max_experts, out, experts=experts
+        )
     return grouped_ffn_reference(x, pool, slots, weights, inter, out)

@@ -77,15 +77,21 @@ class MoEBlock(nn.Module):
         self.prefetcher: Callable[[int, list[int], torch.Tensor | None], None] | None = None
 
     def compute(
-        self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernel path's expert compute: x [T, D], slots [T, K] (ascending expert per row),
-        weights [T, K] -> [T, D]; the slot kernel for few pairs, the grouped kernel above."""
+        weights [T, K], experts [T, K] (their ids, on x's device) -> [T, D]; the slot kernel for
+        few pairs, the grouped kernel above."""
         assert self.provider is not None
         inter = self.provider.intermediate
         if slots.numel() <= self.slot_kernel_max_pairs:
             return expert_ffn(x, pool, slots, weights, inter)
-        return grouped_ffn(x, pool, slots, weights, inter, self.num_experts)
+        return grouped_ffn(x, pool, slots, weights, inter, self.num_experts, experts=experts)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -109,7 +115,7 @@ class MoEBlock(nn.Module):
             ids, order = ids.sort(dim=-1)  # ascending expert per token, as the reference adds
             slots = provider.resident_table[self.layer][ids]  # [T, K]
             provider.count_resident(pairs)
-            return self.compute(x, provider.pool, slots, weights.gather(1, order))
+            return self.compute(x, provider.pool, slots, weights.gather(1, order), ids)
         k = ids.shape[1]
         # The one host sync of this layer: routing ids to the host to know what to fetch. The
         # host waits here for the GPU to finish everything queued so far: counted, since the
@@ -131,9 +137,9 @@ class MoEBlock(nn.Module):
             return self._waves(x, ids, weights, flat, host_ids, provider, kernel)
         batch, slots = wave
         try:  # a raising step must still hand its slots back (the engine keeps serving)
-            _, order = ids.sort(dim=-1)  # ascending expert per token, matching the slot rows
+            ids, order = ids.sort(dim=-1)  # ascending expert per token, matching the slot rows
             dev_slots = slots.to(x.device, non_blocking=True)
-            return self.compute(x, batch.pool, dev_slots, weights.gather(1, order))
+            return self.compute(x, batch.pool, dev_slots, weights.gather(1, order), ids)
         finally:
             provider.release(batch)
 
@@ -210,7 +216,7 @@ class MoEBlock(nn.Module):
                     wave_slots = lookup[sorted_ids]  # [T, K], -1 = another wave's expert
                     grouped_ffn(
                         x, batch.pool, wave_slots, sorted_weights, provider.intermediate,
-                        self.num_experts, out,
+                        self.num_experts, out, experts=sorted_ids,
                     )  # fmt: skip
                 else:
                     spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
