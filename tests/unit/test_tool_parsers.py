@@ -143,7 +143,13 @@ def test_hermes_stream_deltas_exact() -> None:
 
 
 def test_mistral_stream_deltas_exact() -> None:
-    pieces = ["[TOOL_CALLS][", '{"name": "a", "arguments": {"x"', ": 1}}, ", '{"name": "b", ', '"arguments": {}}]']
+    pieces = [
+        "[TOOL_CALLS][",
+        '{"name": "a", "arguments": {"x"',
+        ": 1}}, ",
+        '{"name": "b", ',
+        '"arguments": {}}]',
+    ]
     stream = MistralParser().stream()
     got = [stream.feed(p, final=i == len(pieces) - 1).calls for i, p in enumerate(pieces)]
     assert got == [

@@ -55,7 +55,9 @@ class _Partial:
     complete: bool
 
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 
 
@@ -263,7 +265,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, M
 
 def get_tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
-        raise KeyError(f"unknown tool-call format {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise KeyError(f"unknown tool-call format {name!r}; known: {known}")
     return TOOL_PARSERS[name]()
 
 
