@@ -70,6 +70,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, grammar)
+    skip_special_tokens: bool = True  # False: special tokens show in the text (not the last EOS)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -39,6 +39,15 @@ PIECES = [
 ]
 
 
+# A Mistral-like template: tools in [AVAILABLE_TOOLS], calls after [TOOL_CALLS]
+MISTRALISH = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m['tool_calls'] %}[TOOL_CALLS]{{ m['tool_calls'] | tojson }}</s>"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+
+
 class ReplayClient(ScriptedClient):
     """Answers every request with PIECES, one delta each, then stops; keeps what it was sent."""
 
@@ -64,7 +73,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     out = {}
-    for name, template in (("tools", CHAT_TEMPLATE), ("plain", None)):
+    for name, template in (("tools", CHAT_TEMPLATE), ("plain", None), ("mistral", MISTRALISH)):
         path: Path = tmp_path_factory.mktemp(name)
         if template is None:
             save_byte_tokenizer(path)
@@ -135,6 +144,23 @@ def test_required_and_named_choice_force_a_call_by_grammar(tokenizers: dict[str,
         '"const": "get_weather"' in required.grammar and '"const": "get_time"' in required.grammar
     )
     assert named.grammar is not None and '"get_weather"' not in named.grammar
+
+
+def test_mistral_format_keeps_special_tokens(tokenizers: dict[str, Any]) -> None:
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    http, engine = _app(tokenizers["mistral"], [text[:20], text[20:]])
+    r = http.post("/v1/chat/completions", json=_chat(tools=[WEATHER]))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
+    http.post("/v1/chat/completions", json=_chat(tools=[WEATHER], tool_choice="required"))
+    (_, auto), (_, required) = engine.sent
+    assert auto.skip_special_tokens is False and auto.structured is None
+    assert required.structured.grammar.startswith('start: "[TOOL_CALLS]" "["')
+    http.post("/v1/chat/completions", json=_chat())
+    assert engine.sent[-1][1].skip_special_tokens is True  # no tools: specials stay hidden
 
 
 def test_history_with_calls_and_results_renders(tokenizers: dict[str, Any]) -> None:

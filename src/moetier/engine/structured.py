@@ -47,9 +47,24 @@ def json_grammar_text(schema: dict[str, Any] | str | bool) -> str:
     return "%json " + json.dumps(schema)
 
 
+_COMPILED: dict[str, str] = {}  # spec key -> grammar (the server, admission and start all ask)
+_COMPILED_MAX = 256
+
+
 def compile_grammar(spec: StructuredOutput) -> str:
     """The llguidance grammar of `spec`; ConfigError naming the problem if the library rejects
     it (an unsupported keyword, a bad regex, a Lark syntax error). Needs no tokenizer."""
+    key = json.dumps([spec.json, spec.json_object, spec.grammar], sort_keys=True)
+    grammar = _COMPILED.get(key)
+    if grammar is None:
+        grammar = _compile(spec)
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = grammar
+    return grammar
+
+
+def _compile(spec: StructuredOutput) -> str:
     lib = _llguidance()
     if spec.grammar is not None:
         grammar = lib.LLMatcher.grammar_from_lark(spec.grammar)

@@ -116,7 +116,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
 }
 
 
@@ -136,6 +135,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
+    skip_special_tokens: bool = True  # vLLM extension
     response_format: ResponseFormat | None = None
 
     def unsupported(self) -> str | None:

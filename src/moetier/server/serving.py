@@ -131,8 +131,7 @@ class Serving:
         prompt = self._chat_prompt(body, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = self._start([prompt], body, max_tokens, top, chat=True, structured=structured)
-        job.plan = plan
+        job = self._start([prompt], body, max_tokens, top, True, structured, plan)
         return await self._respond(job, body, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -228,6 +227,7 @@ class Serving:
         max_tokens: int | None,
         i: int,
         structured: StructuredOutput | None = None,
+        skip_special_tokens: bool = True,
     ) -> Any:
         info = self.client.info
         limit = int(info["max_model_len"])
@@ -265,6 +265,7 @@ class Serving:
                 stop=body.stop_list(),
                 ignore_eos=body.ignore_eos,
                 structured=structured,
+                skip_special_tokens=body.skip_special_tokens and skip_special_tokens,
             )
         except ConfigError as exc:
             raise APIError(400, str(exc)) from exc
@@ -277,10 +278,14 @@ class Serving:
         logprobs: int | None,
         chat: bool,
         structured: StructuredOutput | None = None,
+        plan: ToolPlan | None = None,
     ) -> _Job:
         count = len(prompts) * body.n
+        keep = plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens
         params = [
-            self._params(body, p, max_tokens, i, structured) for p in prompts for i in range(body.n)
+            self._params(body, p, max_tokens, i, structured, not keep)
+            for p in prompts
+            for i in range(body.n)
         ]
         cap = self.settings.max_num_seqs + self.settings.max_waiting
         if self.client.in_flight + count > cap:
@@ -304,6 +309,7 @@ class Serving:
             queue,
             chat,
             logprobs is not None,
+            plan or ToolPlan(),
         )
         for index in range(count):
             rid = self.client.new_id()

@@ -149,6 +149,7 @@ class ToolParser:
 
     name: ClassVar[str]
     start: ClassVar[str]
+    keeps_special_tokens: ClassVar[bool] = False  # the marker is a special token
 
     def scan(self, section: str, final: bool) -> list[_Partial] | None:
         """Calls in the text after `start` (the last may be partial unless final); None when
@@ -232,6 +233,7 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     start = "[TOOL_CALLS]"
+    keeps_special_tokens = True
 
     def scan(self, section: str, final: bool) -> list[_Partial] | None:
         calls: list[_Partial] = []
