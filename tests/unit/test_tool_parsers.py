@@ -6,9 +6,12 @@ import json
 
 import pytest
 
+from moetier.core import StructuredOutput
+from moetier.engine.structured import compile_grammar
 from moetier.server.tool_parsers import (
     CallDelta,
     HermesParser,
+    Llama3JsonParser,
     MistralParser,
     ParsedOutput,
     ToolCall,
@@ -81,6 +84,29 @@ GOLDEN: list[tuple[ToolParser, str, ParsedOutput]] = [
         '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}',
         ParsedOutput('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}', []),
     ),
+    (
+        Llama3JsonParser(),
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
+        '{"name": "get_time", "parameters": {"tz": "Europe/Paris", "note": "a \\"}\\" b"}}',
+        ParsedOutput(None, HERMES_TWO_CALLS),
+    ),
+    (
+        Llama3JsonParser(),
+        '<|python_tag|>{"name": "f", "parameters": {}}',
+        ParsedOutput(None, [ToolCall("f", "{}")]),
+    ),
+    (
+        Llama3JsonParser(),
+        '\n {"name": "f", "parameters": {"a": [1]}}',
+        ParsedOutput(None, [ToolCall("f", '{"a": [1]}')]),
+    ),
+    # a call only at the start; text then JSON is content
+    (
+        Llama3JsonParser(),
+        'Here: {"name": "f", "parameters": {}}',
+        ParsedOutput('Here: {"name": "f", "parameters": {}}', []),
+    ),
+    (Llama3JsonParser(), '{"a": 1}', ParsedOutput('{"a": 1}', [])),
 ]
 
 
@@ -161,6 +187,19 @@ def test_mistral_stream_deltas_exact() -> None:
     ]
 
 
+def test_llama_stream_holds_only_what_may_open_a_call() -> None:
+    stream = Llama3JsonParser().stream()
+    assert stream.feed("\n").content == ""  # a call may still start
+    assert stream.feed("Hi {").content == "\nHi {"
+    stream = Llama3JsonParser().stream()
+    assert [stream.feed(p).content for p in ["<|py", "thon_tag|>", '{"name": "f", ']] == [
+        "",
+        "",
+        "",
+    ]
+    assert stream.feed('"parameters": {"x": 1}}').calls == [CallDelta(0, "f", '{"x": 1}')]
+
+
 def test_text_that_only_looks_like_a_marker_is_released() -> None:
     stream = HermesParser().stream()
     assert stream.feed("a <tool").content == "a "
@@ -183,11 +222,17 @@ def test_forced_grammars_name_each_tool() -> None:
     assert mistral.startswith('start: <[5]> "[" %json {"type": "object", "properties": ')
     body = json.loads(mistral.split("%json ", 1)[1].rsplit(' "]"', 1)[0])
     assert body["properties"]["name"] == {"const": "f"}
+    llama = json.loads(Llama3JsonParser().forced_grammar(tools[:1], lambda _: None)[13:])
+    assert llama["required"] == ["name", "parameters"]
+    for parser in (HermesParser(), MistralParser(), Llama3JsonParser()):
+        for ids in (lambda _: None, lambda _: 5):
+            compile_grammar(StructuredOutput(grammar=parser.forced_grammar(tools, ids)))
 
 
 def test_detect_and_value_end() -> None:
     assert isinstance(detect_tool_parser("... <tool_call> ..."), HermesParser)
     assert isinstance(detect_tool_parser("{{ '[TOOL_CALLS]' }}"), MistralParser)
+    assert isinstance(detect_tool_parser("{{- '<|python_tag|>' }}"), Llama3JsonParser)
     assert detect_tool_parser("{{ messages }}") is None
     assert value_end('{"a": "}"} x', 0) == 10
     assert value_end('[1, {"b": [2]}]', 0) == 15

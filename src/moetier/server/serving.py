@@ -436,16 +436,15 @@ class Serving:
                 yield "data: [DONE]\n\n"
                 return
             assert isinstance(ev, RequestDelta)
-            # Tokens whose text is held back (a partial stop string or UTF-8 sequence) ride
-            # along with the next chunk that carries text, unless the client asked for token
-            # ids: then each step's ids go out at once, with empty text.
+            # Tokens whose text is held back (a partial stop string or UTF-8 sequence, or text
+            # that may open a tool call) ride along with the next chunk that carries text,
+            # unless the client asked for token ids: then each step's ids go out at once.
             ids, lps = pending.setdefault(index, ([], []))
             ids += ev.token_ids
             lps += ev.logprobs
             delta = deltas[index].delta(ev.text, ev.finished) if job.chat else {}
-            if job.plan.parser is not None and not delta and not ev.finished:
-                continue  # text held back: it may open a tool call
-            if not ev.text and not ev.finished and not (body.return_token_ids and ids):
+            shows = bool(delta) if job.chat else bool(ev.text)
+            if not shows and not ev.finished and not (body.return_token_ids and ids):
                 continue
             part: dict[str, Any] = {"index": index}
             part.update({"delta": delta or {"content": ""}} if job.chat else {"text": ev.text})

@@ -1,7 +1,8 @@
 """Tool-call formats: parsing model output into OpenAI tool calls, whole or as it streams.
 
-One small class per format behind a registry (`hermes`: Qwen/Hermes `<tool_call>{...}</tool_call>`,
-`mistral`: `[TOOL_CALLS][{...}, ...]`); each also writes the grammar that forces a call in its
+One small class per format behind a registry (`hermes`: Qwen/Hermes
+`<tool_call>{...}</tool_call>`, `mistral`: `[TOOL_CALLS][{...}, ...]`, `llama3_json`: Llama 3.x's
+bare `{"name": ..., "parameters": ...}`); each also writes the grammar that forces a call in its
 format. Plain text in, plain data out: no engine, no HTTP.
 
 A call's `arguments` is the JSON text of its arguments object exactly as the model wrote it, so
@@ -151,6 +152,21 @@ class ToolParser:
     start: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False  # the marker is a special token
 
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        """Whether a chat template writes calls in this format."""
+        return cls.start in chat_template
+
+    def locate(self, text: str) -> tuple[int, int] | None:
+        """(where the content ends, where the calls' text starts), or None: no call yet."""
+        at = text.find(self.start)
+        return None if at < 0 else (at, at + len(self.start))
+
+    def undecided(self, text: str) -> int:
+        """How many characters at the end of `text` (no call located in it) may still turn
+        out to open a call: a stream holds them back."""
+        return _marker_prefix(text, self.start)
+
     def scan(self, section: str, final: bool) -> list[_Partial] | None:
         """Calls in the text after `start` (the last may be partial unless final); None when
         final and the calls are malformed."""
@@ -164,20 +180,21 @@ class ToolParser:
     def parse(self, text: str) -> ParsedOutput:
         """The whole output: content before the first call and the calls; malformed calls
         leave everything as content (the caller sees what the model wrote)."""
-        at = text.find(self.start)
-        if at < 0:
+        found = self.locate(text)
+        if found is None:
             return ParsedOutput(text or None, [])
-        calls = self.scan(text[at + len(self.start) :], final=True)
+        calls = self.scan(text[found[1] :], final=True)
         if not calls or not all(c.complete and c.name is not None for c in calls):
             return ParsedOutput(text or None, [])
-        return ParsedOutput(text[:at] or None, [ToolCall(c.name or "", c.arguments) for c in calls])
+        content = text[: found[0]] or None
+        return ParsedOutput(content, [ToolCall(c.name or "", c.arguments) for c in calls])
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
 
 
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of one `{"name": ..., "arguments": {...}}` object calling one of `tools`."""
+def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
+    """JSON schema of one `{"name": ..., "<key>": {...}}` object calling one of `tools`."""
     options = []
     for tool in tools:
         fn = tool["function"]
@@ -185,8 +202,8 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, key: params},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
@@ -262,7 +279,51 @@ class MistralParser(ToolParser):
         return f'start: {opener} "[" {json_grammar_text(call_schema(tools))} "]"'
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, MistralParser)}
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1-3.3's JSON calls: the answer is `{"name": "f", "parameters": {...}}` (after
+    `<|python_tag|>` or alone), several separated by `;`. Only an answer that starts with one
+    is a call."""
+
+    name = "llama3_json"
+    start = "<|python_tag|>"
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return cls.start in chat_template or "dictionary of argument name" in chat_template
+
+    def locate(self, text: str) -> tuple[int, int] | None:
+        body = text.lstrip()
+        lead = len(text) - len(body)
+        if body.startswith(self.start):
+            return 0, lead + len(self.start)
+        return (0, lead) if body.startswith("{") else None
+
+    def undecided(self, text: str) -> int:
+        return len(text) if self.start.startswith(text.lstrip()) else 0
+
+    def scan(self, section: str, final: bool) -> list[_Partial] | None:
+        calls: list[_Partial] = []
+        i = 0
+        while True:
+            call, end = scan_call_object(section, i, closed=final)
+            if call is None:
+                return None if final else calls
+            calls.append(call)
+            if end is None:
+                return calls
+            i = _skip_ws(section, end)
+            if i < len(section) and section[i] == ";":
+                i += 1
+                continue
+            return None if final and i < len(section) else calls
+
+    def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
+        return f"start: {json_grammar_text(call_schema(tools, 'parameters'))}"
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser)
+}
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -273,9 +334,9 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 def detect_tool_parser(chat_template: str) -> ToolParser | None:
-    """The format a chat template writes calls in, by its start marker; None if none appears."""
+    """The format a chat template writes calls in (by its marker); None if none is known."""
     for cls in TOOL_PARSERS.values():
-        if cls.start in chat_template:
+        if cls.detect(chat_template):
             return cls()
     return None
 
@@ -296,16 +357,15 @@ class ToolStream:
         self.text += delta
         out = StreamDelta()
         if self.section is None:
-            start = self.parser.start
-            at = self.text.find(start)
-            if at < 0:
-                keep = 0 if final else _marker_prefix(self.text, start)
-                out.content = self.text[self.sent : len(self.text) - keep]
+            found = self.parser.locate(self.text)
+            if found is None:
+                keep = 0 if final else self.parser.undecided(self.text)
+                out.content = self.text[self.sent : max(self.sent, len(self.text) - keep)]
                 self.sent += len(out.content)
                 return out
-            out.content = self.text[self.sent : at]
-            self.sent = at
-            self.section = at + len(start)
+            out.content = self.text[self.sent : found[0]]
+            self.sent = max(self.sent, found[0])
+            self.section = found[1]
         calls = self.parser.scan(self.text[self.section :], final=False) or []
         for i, call in enumerate(calls):
             if call.name is None:
