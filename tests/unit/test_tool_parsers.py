@@ -16,6 +16,7 @@ from moetier.server.tool_parsers import (
     ParsedOutput,
     ToolCall,
     ToolParser,
+    call_schema,
     detect_tool_parser,
     value_end,
 )
@@ -227,6 +228,20 @@ def test_forced_grammars_name_each_tool() -> None:
     for parser in (HermesParser(), MistralParser(), Llama3JsonParser()):
         for ids in (lambda _: None, lambda _: 5):
             compile_grammar(StructuredOutput(grammar=parser.forced_grammar(tools, ids)))
+
+
+def test_forced_grammar_keeps_references_resolvable() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}},
+              "required": ["at"], "$defs": {"Point": point}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in "fg"]
+    schema = call_schema(tools)
+    assert schema["$defs"] == {"Point": point} and "\"$defs\":" not in json.dumps(schema["anyOf"])
+    compile_grammar(StructuredOutput(grammar=HermesParser().forced_grammar(tools, lambda _: None)))
+    clash = {**params, "$defs": {"Point": {"type": "string"}}}
+    tools.append({"type": "function", "function": {"name": "h", "parameters": clash}})
+    with pytest.raises(ValueError, match="Point"):
+        call_schema(tools)
 
 
 def test_detect_and_value_end() -> None:

@@ -194,11 +194,24 @@ class ToolParser:
 
 
 def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
-    """JSON schema of one `{"name": ..., "<key>": {...}}` object calling one of `tools`."""
+    """JSON schema of one `{"name": ..., "<key>": {...}}` object calling one of `tools`.
+
+    The tools' `$defs` / `definitions` move to the root, where their `#/$defs/...` references
+    (pydantic writes them) point from inside it; ValueError if two tools define one name
+    differently."""
     options = []
+    hoisted: dict[str, dict[str, Any]] = {}
     for tool in tools:
         fn = tool["function"]
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        for defs in ("$defs", "definitions"):
+            for name, value in (params.pop(defs, None) or {}).items():
+                seen = hoisted.setdefault(defs, {})
+                if seen.setdefault(name, value) != value:
+                    raise ValueError(
+                        f"tools define {defs}/{name} differently; give the definitions "
+                        "distinct names"
+                    )
         options.append(
             {
                 "type": "object",
@@ -207,7 +220,8 @@ def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str
                 "additionalProperties": False,
             }
         )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, **hoisted}
 
 
 def _literal(text: str) -> str:

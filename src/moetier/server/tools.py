@@ -174,7 +174,10 @@ class ToolSupport:
             if hasattr(self.tokenizer, "get_added_vocab")
             else {}
         )
-        return StructuredOutput(grammar=parser.forced_grammar(tools, added.get))
+        try:
+            return StructuredOutput(grammar=parser.forced_grammar(tools, added.get))
+        except ValueError as exc:
+            raise ToolError(str(exc), "tools") from exc
 
 
 def final_message(
