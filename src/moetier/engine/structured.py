@@ -124,6 +124,8 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, request_ids: list[int]) -> torch.Tensor:
         """logits [N, V] -> the same tensor when no row is constrained, else a copy whose
         constrained rows allow only their grammar's next tokens (one batched masked_fill)."""
+        if not self._matchers:
+            return logits
         rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
         if not rows:
             return logits
@@ -148,6 +150,8 @@ class GrammarMasks:
     def advance(self, request_ids: list[int], tokens: list[int]) -> None:
         """Feed each constrained request its sampled token; a refused token is recorded in
         `errors` (it cannot happen under the mask unless the matcher ran out of resources)."""
+        if not self._matchers:
+            return
         for rid, tok in zip(request_ids, tokens):
             m = self._matchers.get(rid)
             if m is not None and not m.consume_token(tok):
