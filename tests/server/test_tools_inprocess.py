@@ -130,6 +130,23 @@ def test_tool_call_stream_deltas(tokenizers: dict[str, Any]) -> None:
     assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
 
 
+def test_parallel_tool_calls_false_keeps_the_first(tokenizers: dict[str, Any]) -> None:
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>\n'
+    http, _ = _app(tokenizers["tools"], [block % "Paris", block % "Rome"])
+    for parallel, names in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        body = _chat(tools=[WEATHER], parallel_tool_calls=parallel)
+        calls = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert [
+            json.loads(c["function"]["arguments"])["city"] for c in calls["tool_calls"]
+        ] == names
+        text = http.post("/v1/chat/completions", json={**body, "stream": True}).text
+        chunks = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+        indexes = {
+            tc["index"] for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])
+        }
+        assert indexes == set(range(len(names)))
+
+
 def test_required_and_named_choice_force_a_call_by_grammar(tokenizers: dict[str, Any]) -> None:
     other = {"type": "function", "function": {"name": "get_time"}}
     http, engine = _app(tokenizers["tools"])

@@ -116,6 +116,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "include_stop_str_in_output": (None, False),
+    "store": (None, False),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
 }
 
 
