@@ -9,8 +9,8 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from moetier.config import EngineConfig  # noqa: E402
-from moetier.core import SamplingParams  # noqa: E402
+from moetier.core import SamplingParams, StructuredOutput  # noqa: E402
 from moetier.llm import LLM  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "EngineConfig"]
 __version__ = "0.1.0"

@@ -5,8 +5,10 @@ Holds no tensors and imports nothing else from the package except errors.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from moetier.errors import ConfigError
 
@@ -16,6 +18,40 @@ GREEDY_TEMPERATURE = 1e-5
 # A smaller top_p rounds to 0 in float32 and the sampler would drop every token. Any top_p at or
 # below 1/vocab keeps the top token alone, so raising it to this floor picks the same tokens.
 MIN_TOP_P = 1e-6
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the generated text must match, enforced token by token while sampling.
+
+    Exactly one of: `json` (a JSON Schema, as a dict or its JSON text), `json_object` (any JSON
+    object) or `grammar` (a Lark grammar in llguidance's syntax, which may embed JSON schemas
+    with `%json {...}`). The shape of vLLM's StructuredOutputsParams; whether the grammar library
+    accepts the schema is checked when the request is queued.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object is True, self.grammar is not None]
+        if sum(given) != 1:
+            raise ConfigError(
+                "StructuredOutput takes exactly one of json=<schema>, json_object=True or "
+                f"grammar=<lark>; got {sum(given)}"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ConfigError(f"json schema is not valid JSON: {exc}") from exc
+            if not isinstance(schema, (dict, bool)):
+                raise ConfigError("a JSON schema must be a JSON object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ConfigError(f"json must be a schema dict or its JSON text, got {self.json!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ConfigError(f"grammar must be a string, got {self.grammar!r}")
 
 
 @dataclass
@@ -33,6 +69,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # constrain the output (JSON schema, grammar)
+    skip_special_tokens: bool = True  # False: special tokens show in the text (not the last EOS)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +99,14 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):
             raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ConfigError(
+                    f"structured must be a StructuredOutput, got {type(self.structured).__name__}"
+                )
+            if self.ignore_eos:
+                # the grammar ends the output with EOS; past it nothing may be generated
+                raise ConfigError("ignore_eos cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

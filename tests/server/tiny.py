@@ -18,7 +18,7 @@ VOCAB = 256 + len(SPECIALS)
 EOS = 256 + SPECIALS.index("<|im_end|>")
 
 
-def save_byte_tokenizer(path: Path) -> None:
+def save_byte_tokenizer(path: Path, chat_template: str = CHATML) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -33,7 +33,7 @@ def save_byte_tokenizer(path: Path) -> None:
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHATML,
+        chat_template=chat_template,
     )
     fast.save_pretrained(str(path))
 
@@ -52,7 +52,9 @@ def _byte_of(ch: str) -> int:
     return dict(zip(cs, bs))[ord(ch)]
 
 
-def make_tiny_server_model(path: Path, max_position_embeddings: int = 256) -> Path:
+def make_tiny_server_model(
+    path: Path, max_position_embeddings: int = 256, chat_template: str = CHATML
+) -> Path:
     FAMILIES["mixtral"].checkpoint(
         path,
         vocab_size=VOCAB,
@@ -60,5 +62,5 @@ def make_tiny_server_model(path: Path, max_position_embeddings: int = 256) -> Pa
         bos_token_id=256,
         max_position_embeddings=max_position_embeddings,
     )
-    save_byte_tokenizer(path)
+    save_byte_tokenizer(path, chat_template)
     return path

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from moetier.demo import calibration, router_fit, source, upcycle, verify
+from moetier.demo.chat_template import TEMPLATE_VERSION, refresh_chat_template, write_chat_template
 from moetier.demo.shards import INDEX_NAME, write_sharded
 from moetier.demo.source import DemoBuildError
 from moetier.demo.variants import DEFAULT_SPEC, DemoSpec
@@ -111,6 +112,7 @@ def ensure_demo_model(
     root = moetier_home(home)
     final = demo_model_dir(root, spec)
     if is_complete(final):
+        refresh_chat_template(final, INFO_NAME)
         return final
     _check_writable(final.parent, max(NEEDED_DISK_BYTES, spec.needed_disk_bytes))
     with _build_lock(final.parent, spec.name):
@@ -167,6 +169,7 @@ def build_demo_model(
     _write_checkpoint(out, model, tokenizer, routers, progress, spec)
     info: dict[str, Any] = {
         "recipe_version": RECIPE_VERSION,
+        "chat_template_version": TEMPLATE_VERSION,
         "source": source.GGUF_NAME,
         "source_sha256": source.GGUF_SHA256,
         "num_experts": spec.num_experts,
@@ -239,6 +242,7 @@ def _write_checkpoint(
         out
     )
     tokenizer.save_pretrained(out)
+    write_chat_template(out)  # SmolLM2's ChatML plus tools (renders the same without them)
     cfg = model.generation_config
     GenerationConfig(
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id

@@ -20,6 +20,7 @@ from moetier.engine.outputs import RequestDelta, TokenLogprob
 from moetier.engine.sampler import Sampler
 from moetier.engine.scheduler import Scheduler
 from moetier.engine.stopping import StopChecker
+from moetier.engine.structured import GrammarMasks, compile_grammar
 from moetier.errors import ConfigError
 from moetier.threads import configure_threads
 
@@ -35,10 +36,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.blocks = self.runner.kv_cache.blocks
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.sampler = Sampler(config.seed)
         self.stopping = StopChecker(tokenizer, self.runner.hf_config, self.runner.generation_config)
         self._ids = itertools.count()
         self.vocab_size = int(self.runner.hf_config.vocab_size)
+        self.grammars = GrammarMasks(tokenizer, self.vocab_size, self.stopping.eos)
+        self.sampler = Sampler(config.seed, self.grammars)
         self.max_model_len = self.runner.max_model_len
         self._logprobs: dict[int, int] = {}  # request id -> top logprobs wanted
         self._pending: list[RequestDelta] = []  # aborts since the last step
@@ -57,6 +59,8 @@ class Engine:
         self.check_prompt(prompt_token_ids, params)
         rid = next(self._ids) if request_id is None else request_id
         req = Request(rid, list(prompt_token_ids), params, prompt)
+        if params.structured is not None:
+            self.grammars.add(rid, params.structured)
         if logprobs is not None:
             self._logprobs[rid] = logprobs
         self.scheduler.add(req)
@@ -65,8 +69,9 @@ class Engine:
     def check_prompt(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
-        """Raise ConfigError for an empty prompt, ids outside the vocabulary, or a request longer
-        than the context (max_model_len) or than the whole KV cache."""
+        """Raise ConfigError for an empty prompt, ids outside the vocabulary, a request longer
+        than the context (max_model_len) or than the whole KV cache, or a grammar (structured
+        output) the grammar library rejects."""
         if not prompt_token_ids:
             raise ConfigError("prompt is empty: give at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -80,6 +85,8 @@ class Engine:
             )
         if params is None:
             return
+        if params.structured is not None:
+            compile_grammar(params.structured)
         if n + params.max_tokens > self.max_model_len:
             raise ConfigError(
                 f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the context of "
@@ -124,7 +131,8 @@ class Engine:
     def _sample(
         self, batch: SchedulerOutput, logits: torch.Tensor
     ) -> tuple[list[ScheduledRequest], list[int], dict[int, TokenLogprob], list[ScheduledRequest]]:
-        """(rows sampled, their tokens, logprobs, rows whose logits are not finite)."""
+        """(rows sampled, their tokens, logprobs, rows whose logits are not finite). Logprobs
+        are of the model's distribution, before any grammar mask."""
         rows = [s for s in batch.scheduled if s.samples]
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # [N]: NaN never becomes a token
         bad = [s for s, ok in zip(rows, finite) if not ok]
@@ -149,8 +157,12 @@ class Engine:
                 self.scheduler.computed(s.request)
         out = self._fail(bad, FloatingPointError("non-finite logits")) if bad else []
         out += self._take_pending()
+        broken = self.grammars.take_errors()
         for s, tok in zip(rows, tokens):
             req = s.request
+            if req.request_id in broken:
+                out += self._fail([s], ValueError(f"structured output: {broken[req.request_id]}"))
+                continue
             req.output_token_ids.append(tok)
             done = self.stopping.check(req)
             out.append(self._delta(req, [tok], lps.get(req.request_id)))

@@ -1,18 +1,21 @@
-"""Turns last-position logits into next tokens: greedy, temperature, top-k, top-p, seeded."""
+"""Turns last-position logits into next tokens: greedy, temperature, top-k, top-p, seeded, and
+constrained by a request's grammar (structured.py masks the logits first)."""
 
 from __future__ import annotations
 
 import torch
 
 from moetier.core import SamplingParams
+from moetier.engine.structured import GrammarMasks
 
 
 class Sampler:
     """Per-request sampling with a per-request generator so results do not depend on batching."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, grammars: GrammarMasks | None = None) -> None:
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
+        self.grammars = grammars  # None: no request may be constrained
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]
@@ -20,8 +23,19 @@ class Sampler:
         """logits [N, V] float32 -> one token id per row.
 
         Everything runs where the logits are (on CUDA: no copy of the vocabulary-sized rows to
-        the host, generators on the device); the chosen ids come back in one read.
+        the host, generators on the device); the chosen ids come back in one read. Rows of
+        constrained requests are masked to their grammar first, and their matchers advance.
         """
+        if self.grammars is not None:
+            logits = self.grammars.apply(logits, request_ids)
+        tokens = self._choose(logits, request_ids, params)
+        if self.grammars is not None:
+            self.grammars.advance(request_ids, tokens)
+        return tokens
+
+    def _choose(
+        self, logits: torch.Tensor, request_ids: list[int], params: list[SamplingParams]
+    ) -> list[int]:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
         chosen = [
@@ -55,3 +69,5 @@ class Sampler:
 
     def forget(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)

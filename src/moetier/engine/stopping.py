@@ -48,13 +48,14 @@ class StopChecker:
             # Match stop strings on text with special tokens when a stop string names one.
             stops = req.params.stop
             names_special = any(sp and sp in stop for stop in stops for sp in self.specials)
-            st = self._state[req.request_id] = _Detok(skip_special=not names_special)
+            skip = req.params.skip_special_tokens and not names_special
+            st = self._state[req.request_id] = _Detok(skip_special=skip)
         return st
 
-    def _decode_new(self, req: Request, st: _Detok) -> tuple[str, str]:
-        """(text the newest tokens add, a pending tail): an incomplete UTF-8 tail ("\ufffd")
-        stays pending until more tokens complete it or the request finishes."""
-        ids, tok = req.output_token_ids, self.tokenizer
+    def _decode_new(self, req: Request, st: _Detok, end: int | None = None) -> tuple[str, str]:
+        """(text the newest tokens (up to `end`) add, a pending tail): an incomplete UTF-8 tail
+        ("\ufffd") stays pending until more tokens complete it or the request finishes."""
+        ids, tok = req.output_token_ids[:end], self.tokenizer
         assert tok is not None
         prev = tok.decode(
             ids[st.prefix_offset : st.read_offset], skip_special_tokens=st.skip_special
@@ -71,9 +72,13 @@ class StopChecker:
         """Update req's text and finish state after a new token; True when it finished."""
         p, tok = req.params, req.output_token_ids[-1]
         st = self._detok_state(req)
-        new, pending = self._decode_new(req, st) if self.tokenizer is not None else ("", "")
+        stop_token = (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids
+        # With special tokens shown (skip_special_tokens=False) the token that ends the request
+        # still adds no text, as in vLLM: a tool-call parser must not see "</s>".
+        end = -1 if stop_token and not p.skip_special_tokens else None
+        new, pending = self._decode_new(req, st, end) if self.tokenizer is not None else ("", "")
         req.output_text += new
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        if stop_token:
             return self._finish(req, "stop", pending)
         # Stop strings are matched on the text including the pending tail, as a full decode would.
         tentative = req.output_text + pending

@@ -45,6 +45,7 @@ class ServerSettings:
     max_num_seqs: int = 64
     max_waiting: int = 256  # queued requests beyond the running batch before 429
     max_body_bytes: int = 4 << 20
+    tool_call_parser: str | None = None  # None: detected from the chat template
 
 
 class APIError(Exception):

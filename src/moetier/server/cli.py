@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.server.tool_parsers import TOOL_PARSERS
 from moetier.threads import THREADS_HELP, threads_arg
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    default=True, help=PREFIX_CACHING_HELP)  # fmt: skip
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="format of the model's tool calls (default: detected from its chat "
+                   "template)")  # fmt: skip
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may finish before they end "
                    "with an error event (streams) or a 503")  # fmt: skip
@@ -205,7 +209,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(name)
         client.on_stats = metrics.update_engine
         settings = ServerSettings(
-            name, api_key, args.max_num_seqs, args.max_waiting, args.max_body_bytes
+            name,
+            api_key,
+            args.max_num_seqs,
+            args.max_waiting,
+            args.max_body_bytes,
+            args.tool_call_parser,
         )
         app = create_app(client, load_tokenizer(info["model"]), settings, metrics)
         log.warning(

@@ -17,13 +17,22 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from moetier.core import SamplingParams
+from moetier.core import SamplingParams, StructuredOutput
 from moetier.engine.outputs import RequestDelta, TokenLogprob
+from moetier.engine.structured import compile_grammar
 from moetier.errors import ConfigError
 from moetier.metrics import ServerMetrics
 from moetier.server.app import APIError, ServerSettings
 from moetier.server.engine_process import EngineClient, Rejected, StreamEvent, Unavailable
 from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from moetier.server.tools import (
+    ChoiceStream,
+    ToolError,
+    ToolPlan,
+    ToolSupport,
+    final_message,
+    message_dicts,
+)
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -51,6 +60,7 @@ class _Job:
     queue: asyncio.Queue[tuple[int, StreamEvent]]
     chat: bool
     want_logprobs: bool
+    plan: ToolPlan = field(default_factory=ToolPlan)
 
     @property
     def done(self) -> bool:
@@ -98,26 +108,82 @@ class Serving:
             settings,
             metrics,
         )
+        self.tools = ToolSupport(tokenizer, settings.tool_call_parser)
 
     # ---- entry points
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
-        prompt = self._chat_prompt(body)
+        self._check_body(body)
+        try:
+            plan, tools = self.tools.plan(body) if self._has_template() else (ToolPlan(), None)
+        except ToolError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="unsupported") from exc
+        structured = self._structured(body)
+        if plan.forced is not None:
+            if structured is not None:
+                raise APIError(
+                    400,
+                    "response_format cannot be combined with a forced tool call (tool_choice "
+                    "required or a named function)",
+                    param="response_format",
+                )
+            structured = self._checked(plan.forced, "tool_choice")
+        prompt = self._chat_prompt(body, tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = self._start([prompt], body, max_tokens, top, chat=True)
+        job = self._start([prompt], body, max_tokens, top, True, structured, plan)
         return await self._respond(job, body, request)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
+        self._check_body(body)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported")
         prompts = self._completion_prompts(body.prompt)
-        job = self._start(prompts, body, body.max_tokens, body.logprobs, chat=False)
+        job = self._start(
+            prompts, body, body.max_tokens, body.logprobs, chat=False,
+            structured=self._structured(body),
+        )  # fmt: skip
         return await self._respond(job, body, request)
 
     # ---- checks and prompts
+
+    def _check_body(self, body: Body) -> None:
+        self._check_model(body.model)
+        field_name = body.unsupported()
+        if field_name is not None:
+            raise APIError(
+                400,
+                f"{field_name} is not supported by this server; leave it out",
+                param=field_name,
+                code="unsupported_field",
+            )
+
+    def _structured(self, body: Body) -> StructuredOutput | None:
+        """The response_format's constraint, checked by the grammar library (400 if refused)."""
+        fmt = body.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(
+                    400, "response_format json_schema needs a json_schema object",
+                    param="response_format.json_schema",
+                )  # fmt: skip
+            schema = fmt.json_schema.schema_
+            spec = StructuredOutput(json=schema) if schema else StructuredOutput(json_object=True)
+        else:
+            spec = StructuredOutput(json_object=True)
+        return self._checked(spec, "response_format")
+
+    def _checked(self, spec: StructuredOutput, param: str) -> StructuredOutput:
+        try:
+            compile_grammar(spec)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_schema") from exc
+        return spec
+
+    def _has_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:
@@ -128,20 +194,17 @@ class Serving:
                 code="model_not_found",
             )
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+    def _chat_prompt(
+        self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        if not self._has_template():
             raise APIError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
             )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return self.tools.render(message_dicts(body), tools)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
-        if not isinstance(ids, list):
-            ids = list(ids["input_ids"])
-        return [int(t) for t in ids]
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -157,7 +220,15 @@ class Serving:
             out.append([int(t) for t in p])
         return out
 
-    def _params(self, body: Body, prompt: list[int], max_tokens: int | None, i: int) -> Any:
+    def _params(
+        self,
+        body: Body,
+        prompt: list[int],
+        max_tokens: int | None,
+        i: int,
+        structured: StructuredOutput | None = None,
+        skip_special_tokens: bool = True,
+    ) -> Any:
         info = self.client.info
         limit = int(info["max_model_len"])
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -193,6 +264,8 @@ class Serving:
                 seed=seed,
                 stop=body.stop_list(),
                 ignore_eos=body.ignore_eos,
+                structured=structured,
+                skip_special_tokens=body.skip_special_tokens and skip_special_tokens,
             )
         except ConfigError as exc:
             raise APIError(400, str(exc)) from exc
@@ -204,9 +277,16 @@ class Serving:
         max_tokens: int | None,
         logprobs: int | None,
         chat: bool,
+        structured: StructuredOutput | None = None,
+        plan: ToolPlan | None = None,
     ) -> _Job:
         count = len(prompts) * body.n
-        params = [self._params(body, p, max_tokens, i) for p in prompts for i in range(body.n)]
+        keep = plan is not None and plan.parser is not None and plan.parser.keeps_special_tokens
+        params = [
+            self._params(body, p, max_tokens, i, structured, not keep)
+            for p in prompts
+            for i in range(body.n)
+        ]
         cap = self.settings.max_num_seqs + self.settings.max_waiting
         if self.client.in_flight + count > cap:
             raise APIError(
@@ -229,6 +309,7 @@ class Serving:
             queue,
             chat,
             logprobs is not None,
+            plan or ToolPlan(),
         )
         for index in range(count):
             rid = self.client.new_id()
@@ -304,12 +385,13 @@ class Serving:
         for i, c in enumerate(job.choices):
             choice: dict[str, Any] = {"index": i}
             text = "".join(c.text)
+            finish_reason = c.finish_reason
             if job.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], finish_reason = final_message(job.plan, text, finish_reason)
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(job, c.logprobs) if job.want_logprobs else None
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = finish_reason
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
                 choice["prompt_token_ids"] = job.prompts[c.prompt_index]
@@ -344,6 +426,7 @@ class Serving:
             for i in range(len(job.choices)):
                 yield self._chunk(job, [{"index": i, **role, "finish_reason": None}], usage)
         pending: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
+        deltas = [ChoiceStream(job.plan) for _ in job.choices]
         async for index, ev in self._events(job):
             c = job.choices[index]
             if c.error:
@@ -353,18 +436,21 @@ class Serving:
                 yield "data: [DONE]\n\n"
                 return
             assert isinstance(ev, RequestDelta)
-            # Tokens whose text is held back (a partial stop string or UTF-8 sequence) ride
-            # along with the next chunk that carries text, unless the client asked for token
-            # ids: then each step's ids go out at once, with empty text.
+            # Tokens whose text is held back (a partial stop string or UTF-8 sequence, or text
+            # that may open a tool call) ride along with the next chunk that carries text,
+            # unless the client asked for token ids: then each step's ids go out at once.
             ids, lps = pending.setdefault(index, ([], []))
             ids += ev.token_ids
             lps += ev.logprobs
-            if not ev.text and not ev.finished and not (body.return_token_ids and ids):
+            delta = deltas[index].delta(ev.text, ev.finished) if job.chat else {}
+            shows = bool(delta) if job.chat else bool(ev.text)
+            if not shows and not ev.finished and not (body.return_token_ids and ids):
                 continue
             part: dict[str, Any] = {"index": index}
-            part.update({"delta": {"content": ev.text}} if job.chat else {"text": ev.text})
+            part.update({"delta": delta or {"content": ""}} if job.chat else {"text": ev.text})
             part["logprobs"] = self._logprobs(job, lps) if job.want_logprobs else None
-            part["finish_reason"] = c.finish_reason if ev.finished else None
+            reason = deltas[index].finish_reason(c.finish_reason) if job.chat else c.finish_reason
+            part["finish_reason"] = reason if ev.finished else None
             if body.return_token_ids:
                 part["token_ids"] = list(ids)
             ids.clear()

@@ -1,0 +1,138 @@
+"""Tools and structured output through the official client against a live server on a tiny
+random checkpoint whose template takes tools (the demo's): the grammar alone makes its answers
+valid, and the server's constrained tokens equal the library's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from moetier import LLM, SamplingParams, StructuredOutput
+from moetier.demo.chat_template import CHAT_TEMPLATE
+from tests.server.conftest import DEVICE, LiveServer, start_server, stop_server
+from tests.server.schemas import random_schemas
+from tests.server.tiny import make_tiny_server_model
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+MESSAGES = [{"role": "user", "content": "Weather in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tools") / "tiny-tools"
+    return make_tiny_server_model(path, max_position_embeddings=2048, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(tools_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    live = start_server(tools_model, tmp_path_factory.mktemp("log") / "server.log")
+    yield live
+    assert stop_server(live) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    assert name in PARAMS
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+def test_required_tool_choice_returns_a_valid_call(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+            max_tokens=120, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_")
+        _valid_call(call.function.name, call.function.arguments)
+
+
+def test_named_tool_choice_streams_the_same_call(client: openai.OpenAI, server: LiveServer) -> None:
+    kw: dict[str, Any] = dict(
+        model=server.model, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=1.0,
+        seed=11, tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert whole is not None and whole[0].function.name == "get_time"
+    _valid_call("get_time", whole[0].function.arguments)
+    name, args, reasons = None, "", []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.function and tc.function.name:
+                assert name is None and tc.id and tc.id.startswith("call_")
+                name = tc.function.name
+            args += (tc.function.arguments or "") if tc.function else ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert (name, args) == ("get_time", whole[0].function.arguments)
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def test_json_schema_answers_validate(client: openai.OpenAI, server: LiveServer) -> None:
+    for i, schema in enumerate(random_schemas(4, seed=1)):
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "r", "schema": schema, "strict": True},
+        }
+        r = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "JSON please"}],
+            response_format=fmt, max_tokens=200, temperature=1.0, seed=i,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+def test_server_and_library_constrain_alike(
+    client: openai.OpenAI, server: LiveServer, tools_model: Path
+) -> None:
+    schema = random_schemas(1, seed=5)[0]
+    prompt = [104, 105, 32]
+    r = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=150, temperature=1.0, seed=3,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "r", "schema": schema}},
+                    "return_token_ids": True},
+    )  # fmt: skip
+    llm = LLM(str(tools_model), device=DEVICE, dtype="float32", progress=False)
+    params = SamplingParams(
+        max_tokens=150, temperature=1.0, seed=3, structured=StructuredOutput(json=schema)
+    )
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert r.choices[0].text == out.text
+    assert r.choices[0].token_ids == out.token_ids  # type: ignore[attr-defined]
+    jsonschema.validate(json.loads(out.text), schema)
