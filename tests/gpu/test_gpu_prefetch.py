@@ -73,6 +73,7 @@ def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dic
         dtype="bfloat16",
         progress=False,
         moe_grouped_kernel=grouped,
+        moe_stream_share=0.0,  # only the predictor prefetches (layer streaming has its test)
         moe_slot_kernel_max_pairs=slot,
         piecewise_graphs=piecewise,
         prefetch=prefetch,

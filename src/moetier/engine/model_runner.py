@@ -6,7 +6,6 @@ Owns the model, the KV cache and the expert tiers; knows nothing of scheduling p
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +158,6 @@ class ModelRunner:
             stream = 0.9 if self.device.type == "cuda" else 0.0
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
-        # the same calls are wide for the expert cache: they evict the layers already passed
-        self.expert_cache.scan.min_experts = math.ceil(stream * self.num_experts) if stream else 0
         blocks = self.model.moe_blocks()
         for i, block in enumerate(blocks):
             block.provider = self.expert_cache

@@ -29,7 +29,6 @@ import torch
 from moetier.offload.cancel import cancel, cancel_where, reap_detached
 from moetier.offload.late_reads import finish_late, go_late, settle_late
 from moetier.offload.policy import make_policy
-from moetier.offload.scan import ScanOrder
 from moetier.offload.slots import SlotState, SlotTable
 from moetier.offload.stats import OffloadStats
 from moetier.offload.store import HostTier
@@ -111,7 +110,6 @@ class ExpertCache:
         self.slot_free_event: dict[int, Any] = {}  # last compute use of a slot (CUDA)
         self._detached: list[Load] = []
         self._last_layer: int | None = None
-        self.scan = ScanOrder()  # wide calls evict the layers a scan passed (set by the runner)
         self._resident_table: torch.Tensor | None = None
 
     @property
@@ -180,7 +178,6 @@ class ExpertCache:
             self._drop_stale(self._last_layer)
             self._last_layer = layer
         keys = [ExpertKey(layer, e) for e in experts]
-        self.scan.observe(layer, len(experts))
         if routing is None:
             self.policy.begin_call(layer, experts)
         else:
@@ -309,10 +306,8 @@ class ExpertCache:
         slot = self.table.take_free()
         if slot is not None:
             return slot
-        victim = self.scan.victim(self.table.keys_of_layer, exclude)
         try:
-            if victim is None:
-                victim = self.policy.victim(exclude=exclude)
+            victim = self.policy.victim(exclude=exclude)
         except RuntimeError:
             if urgent:
                 raise
