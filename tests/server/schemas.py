@@ -1,4 +1,5 @@
-"""Random JSON schemas from a seeded generator, for structured-output tests.
+"""Schemas for structured-output and tool tests: two bounded tools, and random JSON schemas
+from a seeded generator.
 
 Every schema is strict (all properties required, no others) and bounded (short strings, small
 arrays, integer ranges), so a valid answer always fits in a few dozen tokens.
@@ -51,3 +52,26 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 def random_schemas(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [random_schema(rng) for _ in range(n)]
+
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+MESSAGES = [{"role": "user", "content": "Weather in Paris this week?"}]

@@ -16,30 +16,8 @@ import pytest
 from moetier import LLM, SamplingParams, StructuredOutput
 from moetier.demo.chat_template import CHAT_TEMPLATE
 from tests.server.conftest import DEVICE, LiveServer, start_server, stop_server
-from tests.server.schemas import random_schemas
+from tests.server.schemas import MESSAGES, PARAMS, TOOLS, random_schemas
 from tests.server.tiny import make_tiny_server_model
-
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME_PARAMS = {
-    "type": "object",
-    "properties": {"tz": {"enum": ["UTC", "CET"]}},
-    "required": ["tz"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
-]
-PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
-MESSAGES = [{"role": "user", "content": "Weather in Paris this week?"}]
 
 
 @pytest.fixture(scope="module")

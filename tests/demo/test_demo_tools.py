@@ -2,7 +2,7 @@
 server: a forced call is a valid call to one of the tools, and answers to random JSON schemas at
 temperature 1 always parse and validate.
 
-Builds the demo model on first use (slow); set MOETIER_TEST_DEMO_HOME to keep it between runs.
+Uses the session's demo build (slow the first time); MOETIER_TEST_DEMO_HOME keeps it between runs.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import openai
 import pytest
 
 from tests.server.conftest import LiveServer, start_server, stop_server
-from tests.server.schemas import random_schemas
-from tests.server.test_tools_live import MESSAGES, PARAMS, TOOLS
+from tests.server.schemas import MESSAGES, PARAMS, TOOLS, random_schemas
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +27,10 @@ NUM_SCHEMAS = int(os.environ.get("MOETIER_TEST_NUM_SCHEMAS", "100"))
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from moetier.demo.builder import ensure_demo_model
-
-    kept = os.environ.get("MOETIER_TEST_DEMO_HOME")
-    home = Path(kept) if kept else tmp_path_factory.mktemp("moetier_home")
-    model = ensure_demo_model(home, progress=False)
+def demo_server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server on the session's demo build (tests/demo/conftest.py: built once per session)."""
     log = tmp_path_factory.mktemp("demo-log") / "server.log"
-    live = start_server(model, log, "--max-num-seqs", "128")
+    live = start_server(demo_model, log, "--max-num-seqs", "128")
     yield live
     assert stop_server(live) == 0
 
