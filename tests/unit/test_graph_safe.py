@@ -12,8 +12,12 @@ from moetier.bench.routing_override import OverrideGate, UniformRouting, uniform
 from moetier.engine.graphs import graph_safe
 
 
-def _block(gate: nn.Module, observer: object = None, max_pairs: int = 64) -> SimpleNamespace:
-    return SimpleNamespace(gate=gate, route_observer=observer, slot_kernel_max_pairs=max_pairs)
+def _block(
+    gate: nn.Module, observer: object = None, max_pairs: int = 64, grouped: bool = False
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        gate=gate, route_observer=observer, slot_kernel_max_pairs=max_pairs, grouped_kernel=grouped
+    )
 
 
 class _HostGate(nn.Module):
@@ -35,6 +39,8 @@ def test_observer_only_in_piecewise_graphs_and_pairs_must_fit() -> None:
     assert graph_safe([_block(nn.Linear(4, 8), observer=print)], pairs=2, piecewise=True)
     assert not graph_safe([_block(nn.Linear(4, 8), max_pairs=8)], pairs=9)
     assert graph_safe([_block(nn.Linear(4, 8), max_pairs=8)], pairs=8)
+    # the grouped kernel takes any number of pairs beyond the slot kernel's
+    assert graph_safe([_block(nn.Linear(4, 8), max_pairs=8, grouped=True)], pairs=9)
 
 
 def test_staged_ids_are_this_calls_ids_in_a_fixed_buffer() -> None:
