@@ -345,8 +345,9 @@ def build_kv_cache(
 def available_memory(device: torch.device) -> int | None:
     """Bytes new tensors can take on `device`: CUDA's free memory plus what torch's allocator
     holds unused; on the CPU the host's MemAvailable (Linux); None when unknown."""
-    free_total = free_memory(device)
-    if free_total is not None:
+    if device.type == "cuda":
+        free_total = free_memory(device)
+        assert free_total is not None
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free_total[0] + int(cached)
     if device.type != "cpu":
