@@ -11,7 +11,7 @@ import sys
 import time
 
 from moetier.bench.cli import add_bench_parser
-from moetier.config import format_bytes
+from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, format_bytes
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
 from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
@@ -50,6 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help=PREFIX_CACHING_HELP,
+    )
+    p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP
     )
 
 
@@ -106,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed or 0,
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

@@ -30,6 +30,14 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 Budget = str | int | float | None
 
+# --kv-cache-dtype choices; engine/kv_cache.py's KV_FORMATS holds one format per name but auto.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8")
+KV_CACHE_DTYPE_HELP = (
+    "how the KV cache stores K/V: auto (the model dtype, exact; default), bf16, fp16, fp32, or "
+    "int8 (lossy: int8 values with a float32 scale per token and head, about half of bf16's "
+    "bytes, so more tokens fit)"
+)
+
 
 def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
     """Turn "6GiB", "25%", 0.25-as-"25%" strings or a byte count into bytes.
@@ -141,8 +149,17 @@ class CacheConfig:
     # after their request ends and a prompt starting with the same tokens reuses them instead
     # of recomputing. Exact (greedy tokens equal with it off); on by default, as in vLLM.
     enable_prefix_caching: bool = True
+    # How K/V are stored (engine/kv_cache.py KV_FORMATS): "auto" = the model dtype (exact);
+    # "int8" = int8 values with a float32 absmax scale per (token, head), dequantized on read
+    # (lossy, about half of bf16's bytes); bf16/fp16/fp32 cast on write and read.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         _at_least_1("kv_block_size", self.block_size, "tokens per KV block")
         if self.num_blocks is not None:
             _at_least_1("num_kv_blocks", self.num_blocks, "KV blocks (None = sized from memory)")

@@ -74,7 +74,8 @@ def _build_engine(config: EngineConfig, tokenizer: Any) -> Engine:
     raise DeviceMemoryError(
         f"device out of memory while building the engine ({detail}). Lower "
         f"--expert-budget (now {config.offload.expert_budget or 'all experts'}), "
-        f"--num-kv-blocks or --max-num-seqs, or free the memory other processes hold."
+        f"--num-kv-blocks or --max-num-seqs (or --kv-cache-dtype int8), or free the memory "
+        f"other processes hold."
     )
 
 
@@ -107,11 +108,17 @@ class LLM:
         threads: int | None = None,
         late_reads: bool = True,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         # Every setting is checked before any work (the demo build, the checkpoint load).
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         cache = CacheConfig(
-            kv_block_size, num_kv_blocks, None, max_model_len, enable_prefix_caching
+            kv_block_size,
+            num_kv_blocks,
+            None,
+            max_model_len,
+            enable_prefix_caching,
+            kv_cache_dtype,
         )
         _check_budgets_and_policy(expert_budget, host_budget, policy, prefetch)
         threads = check_threads(threads)
@@ -228,10 +235,12 @@ class LLM:
         changes the K/V a prompt would get); the number of cached blocks dropped."""
         return self.engine.blocks.reset_prefix_cache()
 
-    def offload_stats(self) -> dict[str, float]:
-        """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time) and of
-        the KV prefix cache (tokens looked up and reused at admission)."""
-        stats = self.engine.runner.stats.to_dict()
+    def offload_stats(self) -> dict[str, Any]:
+        """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time), of the
+        KV prefix cache (tokens looked up and reused at admission) and the KV cache's effective
+        storage format (`kv_cache_dtype`, a name; the rest are numbers)."""
+        stats: dict[str, Any] = dict(self.engine.runner.stats.to_dict())
+        kv = self.engine.runner.kv_cache
         plan = self.engine.runner.tier_plan
         sched = self.engine.scheduler
         stats.update(
@@ -241,5 +250,9 @@ class LLM:
             expert_bytes=plan.expert_bytes,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
+            kv_cache_dtype=kv.format.name,
+            kv_bytes_per_token=kv.bytes_per_token,
+            kv_cache_bytes=kv.bytes(),
+            kv_blocks_total=kv.blocks.num_blocks,
         )
         return stats

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -139,6 +139,14 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "KV cache blocks kept for prefix reuse that no request holds (evictable)",
     ),
     "kv_blocks_total": ("moetier:kv_cache_blocks_total", "KV cache blocks in the pool"),
+    "kv_bytes_per_token": (
+        "moetier:kv_cache_bytes_per_token",
+        "KV cache bytes one token takes over all layers, as stored (int8 scales included)",
+    ),
+    "kv_cache_bytes": (
+        "moetier:kv_cache_bytes",
+        "Bytes of the KV cache pools (allocated at start)",
+    ),
     "device_slots": ("moetier:expert_device_slots", "Device expert slots in the pool"),
 }
 
@@ -175,10 +183,19 @@ class _SnapshotCollector(Collector):
 class ServerMetrics:
     """Request latencies observed by the server, plus the engine's latest counter snapshot."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_cache_dtype: str = "") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
+        if kv_cache_dtype:
+            # info-style: the engine's effective KV storage format as a label, value 1
+            info = Gauge(
+                "moetier:kv_cache_info",
+                "The KV cache's effective storage format (kv_cache_dtype: bf16, fp16, fp32, int8)",
+                ["model_name", "kv_cache_dtype"],
+                registry=self.registry,
+            )
+            info.labels(model_name, kv_cache_dtype).set(1)
         self.ttft = Histogram(
             "moetier:time_to_first_token_seconds",
             "Time from request arrival to its first token",

@@ -95,6 +95,10 @@ def test_keys_present_and_finite(result: tuple[dict, Path]) -> None:
     for key in SETTINGS:
         assert key in res["settings"], key
     assert res["link"]["GBps_expert"] > 0 and res["link"]["GBps_16MiB"] > 0
+    # the KV format asked (auto) and the one in effect (the synthetic run's model dtype)
+    assert res["settings"]["kv_cache_dtype"] == "auto"
+    assert res["settings"]["kv_cache_format"] == res["configs"][0]["kv_cache_dtype"]
+    assert res["configs"][0]["kv_cache_dtype"] in ("bf16", "fp32")
     ref, low = res["configs"][0], res["configs"][1]
     assert ref["belady_hit_rate"] == 1.0 and ref["device_slots"] == 32
     assert low["device_slots"] == 8 and low["belady_hit_rate"] >= low["device_hit_rate"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import moetier.device_memory
+import moetier.engine.kv_cache
 import moetier.engine.model_runner
 import moetier.llm
 import moetier.offload.builder
@@ -146,3 +147,39 @@ def test_serve_exits_2_with_one_line(tiny_model: Path, tmp_path: Path) -> None:
     assert len(errors) == 1, out.stderr[-3000:]
     for part in ("out of memory placing 24 expert slots", "1.00 MiB free", "--expert-budget"):
         assert part in errors[0], errors[0]
+
+
+def test_kv_pools_exist_right_after_construction(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", progress=False, num_kv_blocks=4)
+    kv = llm.engine.runner.kv_cache
+    layers = sorted(kv.layout)
+    assert layers and sorted(kv._k) == layers and sorted(kv._v) == layers  # before any request
+    assert kv.bytes() == 4 * 16 * kv.bytes_per_token == llm.offload_stats()["kv_cache_bytes"]
+
+
+def test_kv_cache_that_cannot_fit_fails_at_start_up(tiny_model: Path) -> None:
+    """Checked against the memory available before anything is allocated (on the CPU the
+    host's MemAvailable), so an impossible block count never touches the allocator."""
+    per_token = LLM(
+        str(tiny_model), device="cpu", dtype="float32", progress=False, num_kv_blocks=1
+    ).offload_stats()["kv_bytes_per_token"]
+    blocks = 10**12
+    message = _build_fails(tiny_model, num_kv_blocks=blocks)
+    asked = blocks * 16 * per_token
+    assert f"device cpu cannot hold the KV cache ({blocks} blocks of 16 tokens" in message
+    assert f"{per_token} B/token as fp32" in message, message
+    assert f"needs {format_bytes(asked)} ({asked} B)" in message, message
+    assert f"Lower --num-kv-blocks (LLM(num_kv_blocks=...)), now {blocks}" in message, message
+    assert "--kv-cache-dtype int8" in message, message
+
+
+def test_kv_cache_oom_names_the_kv_settings(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, device_free: None
+) -> None:
+    """The allocator running out while the pools are placed (CUDA) is explained the same way."""
+    monkeypatch.setattr(moetier.engine.kv_cache, "PagedKVCache", _oom)
+    message = _build_fails(tiny_model, kv_cache_dtype="int8")
+    assert "device cpu out of memory placing the KV cache (" in message, message
+    assert "B/token as int8)" in message and "the device had 1.00 MiB free" in message, message
+    assert "Lower --max-num-seqs (now 64) or --max-model-len" in message, message
+    assert "--kv-cache-dtype int8" not in message, message  # already int8

@@ -263,6 +263,9 @@ def test_metrics_parse_and_move(server: LiveServer, client: openai.OpenAI) -> No
     )
     assert after["moetier:expert_lookups_total"] > before.get("moetier:expert_lookups_total", 0)
     assert after["moetier:kv_cache_blocks_used"] == 0 and after["moetier:kv_cache_blocks_free"] > 0
+    # the default KV format is the model dtype (the server runs float32)
+    assert after["moetier:kv_cache_info,kv_cache_dtype=fp32"] == 1.0
+    assert after["moetier:kv_cache_bytes_per_token"] > 0
     for name in ("moetier:num_requests_running", "moetier:num_requests_waiting",
                  "moetier:num_preemptions_total", "moetier:expert_hits_total,tier=device",
                  "moetier:expert_bytes_total,path=host_to_device",

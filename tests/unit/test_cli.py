@@ -82,3 +82,26 @@ def test_prefix_caching_flag_reaches_the_engine() -> None:
     assert _engine_args(p.parse_args(["serve"])).enable_prefix_caching is True
     off = _engine_args(p.parse_args(["serve", "--no-enable-prefix-caching"]))
     assert off.enable_prefix_caching is False
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moetier.bench.cli import latency_settings
+    from moetier.cli import build_parser
+    from moetier.server.cli import _engine_args
+
+    p = build_parser()
+    assert p.parse_args(["generate"]).kv_cache_dtype == "auto"
+    assert (
+        _engine_args(p.parse_args(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    )
+    bench = latency_settings(p.parse_args(["bench", "latency", "--kv-cache-dtype", "fp16"]))
+    assert bench.llm_kwargs["kv_cache_dtype"] == "fp16"
+    assert "kv_cache_dtype" not in latency_settings(p.parse_args(["bench", "latency"])).llm_kwargs
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "--kv-cache-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+    rc = main(["generate", "--model", str(ckpt), "--prompt", "Hi", "--max-tokens", "2",
+               "--device", "cpu", "--dtype", "float32", "--kv-cache-dtype", "int8"])  # fmt: skip
+    assert rc == 0

@@ -6,7 +6,20 @@ import pytest
 import torch
 
 from moetier.engine.block_manager import BlockManager
-from moetier.engine.kv_cache import PagedKVCache, decode_width, default_num_blocks
+from moetier.engine.kv_cache import (
+    KV_FORMATS,
+    LayerKV,
+    PagedKVCache,
+    decode_width,
+    default_num_blocks,
+)
+
+CPU = torch.device("cpu")
+
+
+def _cache(m: BlockManager, fmt: str = "fp32") -> PagedKVCache:
+    """A one-layer cache of 1 KV head, 3 channels."""
+    return PagedKVCache(m, CPU, {0: LayerKV((1, 3), (1, 3))}, KV_FORMATS[fmt])
 
 
 def test_blocks_lowest_first_and_freed_blocks_reused_first() -> None:
@@ -44,7 +57,7 @@ def test_integrity_catches_a_double_owned_block() -> None:
 
 def test_build_batch_addresses_history_through_block_tables() -> None:
     m = BlockManager(num_blocks=8, block_size=2)
-    cache = PagedKVCache(m, torch.device("cpu"))
+    cache = _cache(m)
     m.allocate(5, 3)  # blocks 0, 1
     m.allocate(6, 4)  # blocks 2, 3
     m.allocate(5, 4)  # seq 5 decodes position 3: no new block
@@ -64,7 +77,7 @@ def test_build_batch_addresses_history_through_block_tables() -> None:
 
 def test_decode_padding_is_masked_and_points_at_slot_zero() -> None:
     m = BlockManager(num_blocks=4, block_size=2)
-    cache = PagedKVCache(m, torch.device("cpu"))
+    cache = _cache(m)
     m.allocate(0, 1)
     m.allocate(1, 3)
     b = cache.build_batch([(0, 0, 1), (1, 2, 1)], total=2)
@@ -82,12 +95,14 @@ def test_decode_width_is_a_power_of_two_of_at_least_four_blocks() -> None:
 
 def test_write_stores_at_slots() -> None:
     m = BlockManager(num_blocks=2, block_size=2)
-    cache = PagedKVCache(m, torch.device("cpu"))
+    cache = _cache(m)
     k = torch.arange(6.0).view(2, 1, 3)  # [T=2, Hkv=1, d=3]
-    kp, vp = cache.write(0, k, -k, torch.tensor([3, 1]))
+    cache.write(0, k, -k, torch.tensor([3, 1]))
+    kp, vp = cache.read(0, torch.arange(4), torch.float32)
     assert vp is not None
     assert kp.shape == (4, 1, 3) and vp.shape == (4, 1, 3)
     assert kp[3].tolist() == [[0.0, 1.0, 2.0]] and kp[1].tolist() == [[3.0, 4.0, 5.0]]
+    assert vp[3].tolist() == [[-0.0, -1.0, -2.0]]
     assert kp[0].abs().sum() == 0  # untouched slots are zeros, never NaN
 
 

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Any
 
+from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from moetier.threads import threads_arg
 
 
@@ -106,6 +107,9 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_DTYPE_HELP
+    )
+    p.add_argument(
         "--set",
         default="",
         metavar="K=V ...",
@@ -163,6 +167,13 @@ def _with_prefetch(kwargs: dict[str, Any], prefetch: str | None) -> dict[str, An
     return kwargs
 
 
+def _with_kv_dtype(kwargs: dict[str, Any], kv_cache_dtype: str | None) -> dict[str, Any]:
+    """--kv-cache-dtype NAME is `--set kv_cache_dtype=NAME` (an explicit --set wins)."""
+    if kv_cache_dtype is not None:
+        kwargs.setdefault("kv_cache_dtype", kv_cache_dtype)
+    return kwargs
+
+
 def latency_settings(args: argparse.Namespace) -> Any:
     from moetier.bench.latency import LatencySettings
 
@@ -187,7 +198,9 @@ def latency_settings(args: argparse.Namespace) -> Any:
         profile_steps=args.profile_steps,
         accelerate_output_len=args.accelerate_output_len,
         save_trace=args.save_trace,
-        llm_kwargs=_with_prefetch(parse_kv(args.set), args.prefetch),
+        llm_kwargs=_with_kv_dtype(
+            _with_prefetch(parse_kv(args.set), args.prefetch), args.kv_cache_dtype
+        ),
         progress=not args.no_progress,
     )
 

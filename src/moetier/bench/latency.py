@@ -222,8 +222,11 @@ def run_latency(
         # The all-resident run is not recorded (see measure.py): save an offloaded run's trace.
         recorded = [r for r in groups[0] if r.trace.records] or groups[0]
         write_trace(s.save_trace, recorded[0].trace)
+    settings = settings_record(s, path, device, geo, [src for _, src in routings])
+    # the effective KV format (auto resolved to the model dtype), as the engines reported it
+    settings["kv_cache_format"] = ",".join(sorted({r.metrics["kv_cache_dtype"] for r in runs}))
     result: dict[str, Any] = {
-        "settings": settings_record(s, path, device, geo, [src for _, src in routings]),
+        "settings": settings,
         "link": link,
         "configs": [r.metrics for group in groups for r in group],
         "notes": notes,
@@ -271,6 +274,7 @@ def settings_record(
         routing_source=routing,
         prefetch=str(s.llm_kwargs.get("prefetch", "off")),
         kv_budget=str(s.llm_kwargs.get("num_kv_blocks", "default (engine's KV bytes)")),
+        kv_cache_dtype=str(s.llm_kwargs.get("kv_cache_dtype", "auto")),
         synthetic_meta=_synthetic_meta(path),
         sampling="temperature 1.0, per-request seed (seed + prompt index), ignore_eos",
         gpu_busy_source=(

@@ -352,7 +352,7 @@ def _metrics(
     its: list[_Iteration],
     driver: _Driver,
     device_time: Any,
-    plan: dict[str, float],
+    plan: dict[str, Any],
     budget: str,
     load_s: float,
 ) -> dict[str, Any]:
@@ -379,6 +379,8 @@ def _metrics(
         budget_bytes=int(plan["device_slots"] * plan["expert_bytes"]),
         host_rows=int(plan["host_rows"]),
         expert_bytes=int(plan["expert_bytes"]),
+        kv_cache_dtype=str(plan["kv_cache_dtype"]),  # the effective KV storage format
+        kv_bytes_per_token=int(plan["kv_bytes_per_token"]),
         load_s=load_s,
         ttft_ms=statistics.median(it.ttft_s for it in its) * 1e3,
         tpot_ms=tpot,

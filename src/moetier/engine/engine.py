@@ -241,6 +241,8 @@ class Engine:
             kv_blocks_free=self.blocks.num_free,
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_cached=self.blocks.num_cached,
+            kv_bytes_per_token=self.runner.kv_cache.bytes_per_token,
+            kv_cache_bytes=self.runner.kv_cache.bytes(),
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,

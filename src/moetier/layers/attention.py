@@ -37,25 +37,33 @@ def attend(
     chunked layers): a query at position p sees keys from p // chunk * chunk to p only.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
-    block table: all one-token (decode) rows in one batched SDPA call with a padding mask, each
-    longer chunk (prefill) in its own call with a causal mask offset by the cached tokens (on
-    CUDA a chunk with nothing cached before it is `is_causal`, SDPA's flash kernel). GQA
-    heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
+    block table, in q's dtype (the cache casts or dequantizes what it stores, see
+    engine/kv_cache.py): all one-token (decode) rows in one batched SDPA call with a padding
+    mask, each longer chunk (prefill) in its own call with a causal mask offset by the cached
+    tokens (on CUDA a chunk with nothing cached before it is `is_causal`, SDPA's flash
+    kernel). GQA heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
     """
     meta = ctx.kv_batch
-    k_pool, v_pool = ctx.kv.write(layer, k, v, meta.slot_mapping)  # [S, Hkv, d*]
-    if v_pool is None:
-        assert v_dim is not None
-        v_pool = k_pool[..., :v_dim]
+    ctx.kv.write(layer, k, v, meta.slot_mapping)
+    dv = v.shape[-1] if v is not None else v_dim
+    assert dv is not None
+
+    def history(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [..., Hkv, d*] at slots, in q's dtype (the cache dequantizes or casts)."""
+        kh, vh = ctx.kv.read(layer, slots, q.dtype)
+        # MLA's values are the latent channels of the keys (contiguous, as SDPA had them
+        # when they were gathered from a sliced pool)
+        return kh, (kh[..., :dv].contiguous() if vh is None else vh)
+
     if len(meta.decode_spans) == len(ctx.spans):
         out: torch.Tensor | None = None  # every row is a decode row: no scatter needed
     else:
-        out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
+        out = q.new_empty(q.shape[0], q.shape[1], dv)
     if meta.decode_rows is not None:
         assert meta.decode_slots is not None and meta.decode_mask is not None
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]
-        kd = k_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dk]
-        vd = v_pool[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, dv]
+        kd, vd = history(meta.decode_slots)  # [B, L, Hkv, d*]
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, d*]
         mask = meta.decode_mask if chunk is None else _chunked_decode_mask(ctx, chunk)
         dec = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
@@ -67,8 +75,8 @@ def attend(
     for i, slots in (meta.span_slots or {}).items():
         span = ctx.spans[i]
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
-        ks = k_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dk]
-        vs = v_pool[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, dv]
+        ks, vs = history(slots)  # [L, Hkv, d*]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, d*]
         if span.past == 0 and chunk is None and q.is_cuda:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
             # kernel (native GQA); a mask would send it to a slower kernel.

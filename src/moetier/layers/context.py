@@ -13,13 +13,19 @@ import torch
 
 
 class KVStore(Protocol):
-    """What attention needs from the KV cache: write this step's K/V, get the layer's pools."""
+    """What attention needs from the KV cache: write this step's K/V, read a history back."""
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor
+    ) -> None:
+        """Store k [T, Hkv, dk], v [T, Hkv, dv] (None: keys only) at flat slots [T]."""
+        ...
+
+    def read(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Store k [T, Hkv, dk], v [T, Hkv, dv] (None: keys only) at flat slots [T]; return
-        the layer's pools [S, Hkv, d*] (None for values not stored)."""
+        """K and V at slots [...] -> [..., Hkv, d*] in `dtype` (dequantized when the store
+        quantizes); V None when only keys are stored."""
         ...
 
 

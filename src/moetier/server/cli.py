@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from moetier.errors import ConfigError
 from moetier.server.tool_parsers import TOOL_PARSERS
 from moetier.threads import THREADS_HELP, threads_arg
@@ -68,6 +69,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=_positive, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help=PREFIX_CACHING_HELP)  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help=KV_CACHE_DTYPE_HELP)  # fmt: skip
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -186,6 +189,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -206,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or (
             Path(info["model"]).name if args.model else "moetier-demo"
         )
-        metrics = ServerMetrics(name)
+        metrics = ServerMetrics(name, kv_cache_dtype=str(info.get("kv_cache_dtype", "")))
         client.on_stats = metrics.update_engine
         settings = ServerSettings(
             name,

@@ -49,6 +49,7 @@ class EngineArgs:
     max_model_len: int | None = None
     threads: int | None = None  # torch CPU threads; None = auto (threads.py)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -117,6 +118,7 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             max_model_len=args.max_model_len,
             threads=args.threads,
             enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which exits
         out_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -127,6 +129,7 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
         "max_model_len": eng.max_model_len,
         "vocab_size": eng.vocab_size,
         "kv_tokens": eng.blocks.num_blocks * eng.blocks.block_size,
+        "kv_cache_dtype": eng.runner.kv_cache.format.name,
     }
     out_q.put(("ready", info))
     _serve(eng, cmd_q, out_q)
