@@ -134,6 +134,9 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt tokens its cached prefix blocks held at its first admission (None until admitted;
+    # a readmission after preemption does not change it): usage's cached_tokens.
+    num_cached_tokens: int | None = None
     finished: bool = False
     finish_reason: str | None = None
     output_text: str = ""
@@ -166,3 +169,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens reused from the KV prefix cache
