@@ -39,9 +39,9 @@ def test_completions_report_cached_tokens(server: LiveServer) -> None:
     assert first["prompt_tokens"] == 41
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     second = _post(server, "/v1/completions", body).json()["usage"]
-    assert second["prompt_tokens_details"] == {"cached_tokens": _reused(41)} == {
-        "cached_tokens": 32
-    }
+    assert (
+        second["prompt_tokens_details"] == {"cached_tokens": _reused(41)} == {"cached_tokens": 32}
+    )
     # a prompt that extends the first by one block reuses its full blocks, no more
     longer = {**body, "prompt": prompt + list(range(20))}
     third = _post(server, "/v1/completions", longer).json()["usage"]
