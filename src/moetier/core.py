@@ -151,13 +151,35 @@ class Request:
 
 
 @dataclass
+class ToolCall:
+    """A tool call parsed from a model's output: the function's name and the JSON text of its
+    arguments object exactly as the model wrote it."""
+
+    name: str
+    arguments: str
+
+    def to_openai(self, call_id: str) -> dict[str, Any]:
+        """The call as an OpenAI `tool_calls` entry."""
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
 class CompletionOutput:
-    """One generated continuation of a prompt."""
+    """One generated continuation of a prompt. From LLM.chat, `tool_calls` holds the calls
+    parsed from `text` when tools were given (empty when the model answered in prose) and
+    `content` the text before the first call (None when nothing precedes it), or the whole text
+    when no call was made; generate() leaves both empty."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None
 
 
 @dataclass

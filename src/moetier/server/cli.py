@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.server.tool_parsers import TOOL_PARSERS
 from moetier.threads import THREADS_HELP, threads_arg
+from moetier.tools.parsers import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 

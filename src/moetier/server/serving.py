@@ -25,14 +25,8 @@ from moetier.metrics import ServerMetrics
 from moetier.server.app import APIError, ServerSettings
 from moetier.server.engine_process import EngineClient, Rejected, StreamEvent, Unavailable
 from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from moetier.server.tools import (
-    ChoiceStream,
-    ToolError,
-    ToolPlan,
-    ToolSupport,
-    final_message,
-    message_dicts,
-)
+from moetier.server.tools import ChoiceStream, body_plan, final_message, message_dicts
+from moetier.tools.support import ToolError, ToolPlan, ToolSupport
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -122,7 +116,9 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_body(body)
         try:
-            plan, tools = self.tools.plan(body) if self._has_template() else (ToolPlan(), None)
+            plan, tools = (
+                body_plan(self.tools, body) if self._has_template() else (ToolPlan(), None)
+            )
         except ToolError as exc:
             raise APIError(400, str(exc), param=exc.param, code="unsupported") from exc
         structured = self._structured(body)
