@@ -236,7 +236,7 @@ def test_forced_grammar_keeps_references_resolvable() -> None:
               "required": ["at"], "$defs": {"Point": point}}  # fmt: skip
     tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in "fg"]
     schema = call_schema(tools)
-    assert schema["$defs"] == {"Point": point} and "\"$defs\":" not in json.dumps(schema["anyOf"])
+    assert schema["$defs"] == {"Point": point} and '"$defs":' not in json.dumps(schema["anyOf"])
     compile_grammar(StructuredOutput(grammar=HermesParser().forced_grammar(tools, lambda _: None)))
     clash = {**params, "$defs": {"Point": {"type": "string"}}}
     tools.append({"type": "function", "function": {"name": "h", "parameters": clash}})

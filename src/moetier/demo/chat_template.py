@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
     "{%- for call in message['tool_calls'] %}"
     "{%- set fn = call['function'] if call['function'] is defined else call %}"
     "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
-    '{{- \'<tool_call>\\n{"name": "\' + fn[\'name\'] + \'", "arguments": \' }}'
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
     "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
     "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
