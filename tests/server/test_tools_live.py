@@ -161,6 +161,12 @@ def test_llm_chat_tools_match_the_server(
     )  # fmt: skip
     assert r.usage is not None and r.usage.prompt_tokens == len(reply.prompt_token_ids)
     assert r.choices[0].message.content == out.text
+    # the same conversation again reuses its full KV blocks (16 tokens each, the last token
+    # always computed), as RequestOutput.num_cached_tokens says
+    again = llm.chat(history, SamplingParams(max_tokens=4, seed=1), tools=TOOLS, tool_choice="none")
+    n = len(again.prompt_token_ids)
+    assert again.num_cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.outputs[0].token_ids == out.token_ids
 
 
 def test_llm_chat_tool_errors(llm: LLM) -> None:
