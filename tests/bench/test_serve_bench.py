@@ -254,6 +254,7 @@ def test_bench_serve_agent_turns(tmp_path: Path, capsys: pytest.CaptureFixture[s
     s = result["settings"]
     assert (s["workload"], s["turns"], s["tool_result_len"]) == ("agent", 3, 24)
     assert "--enable-prefix-caching" in s["server_command"].split()
+    assert s["prefix_caching"] == "on" and s["device_slots"] == 12  # 50% of 3 layers x 8
     turns = result["agent"]["turns"]
     assert [t["turn"] for t in turns] == [1, 2, 3]
     assert [t["prompt_tokens_median"] for t in turns] == _AGENT_PROMPTS

@@ -190,10 +190,16 @@ async def run_agent(
             res = await send_request(client, run, p, -1 - i)
             if not res.ok:
                 raise ConfigError(f"warm-up request failed: {res.error}")
+        gauges = await server_counters(client, run.base_url) or {}
         rows = []
         for ci, conv in enumerate(conversations):
             rows += await run_conversation(client, run, conv, ci, fresh)
-    return {"turns": summarize_turns(rows), "requests": rows}
+    return {
+        "turns": summarize_turns(rows),
+        "requests": rows,
+        "device_slots": gauges.get("device_slots"),
+        "kv_blocks_total": gauges.get("kv_blocks_total"),
+    }
 
 
 def compare_outputs(on: dict[str, Any], off: dict[str, Any]) -> None:

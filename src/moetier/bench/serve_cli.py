@@ -435,12 +435,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         )
         results = asyncio.run(run_bench(run))
     slots = next((lv["offload"].get("device_slots") for lv in results if lv.get("offload")), None)
-    if slots is not None:
-        settings["device_slots"] = int(slots)
-        if settings.get("expert_bytes"):
-            settings["expert_budget_bytes"] = int(slots) * settings["expert_bytes"]
-            total = settings["expert_bytes"] * settings["num_experts"] * settings["num_moe_layers"]
-            settings["expert_budget_fraction"] = settings["expert_budget_bytes"] / total
+    _slot_settings(settings, slots)
     result = {"settings": settings, "results": results, "notes": _notes(results)}
     print(serve_table(result))
     for note in result["notes"]:
@@ -449,6 +444,17 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         save_json(args.save_result, result)
         print(f"\nsaved {args.save_result}", file=sys.stderr)
     return 0 if all(lv["failed"] == 0 for lv in results) else 1
+
+
+def _slot_settings(settings: dict[str, Any], slots: float | None) -> None:
+    """The expert budget as the server's slot gauge says: slots, bytes, fraction."""
+    if slots is None:
+        return
+    settings["device_slots"] = int(slots)
+    if settings.get("expert_bytes"):
+        settings["expert_budget_bytes"] = int(slots) * settings["expert_bytes"]
+        total = settings["expert_bytes"] * settings["num_experts"] * settings["num_moe_layers"]
+        settings["expert_budget_fraction"] = settings["expert_budget_bytes"] / total
 
 
 def _notes(results: list[dict[str, Any]]) -> list[str]:
@@ -536,11 +542,14 @@ def _cmd_agent(args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key:
                 settings = _settings(
                     args, args.model or tok_path, served, url, firsts, *desc, started
                 )
+    _slot_settings(settings, runs["on"].get("device_slots"))
+    turned_off = "--no-enable-prefix-caching" in shlex.split(args.serve_args)
+    prefix = "off (--serve-args)" if turned_off else "on"
     settings.update(
         workload="agent",
         turns=args.turns,
         tool_result_len=args.tool_result_len,
-        prefix_caching="on (started here)" if not args.base_url else "the server's own",
+        prefix_caching="the server's own" if args.base_url else prefix,
         fresh_baseline=not args.no_fresh,
         compare_prefix_off=args.compare_prefix_off,
     )
