@@ -544,12 +544,12 @@ def _cmd_agent(args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key:
                 )
     _slot_settings(settings, runs["on"].get("device_slots"))
     turned_off = "--no-enable-prefix-caching" in shlex.split(args.serve_args)
-    prefix = "off (--serve-args)" if turned_off else "on"
+    prefix_state = "off (--serve-args)" if turned_off else "on"
     settings.update(
         workload="agent",
         turns=args.turns,
         tool_result_len=args.tool_result_len,
-        prefix_caching="the server's own" if args.base_url else prefix,
+        prefix_caching="the server's own" if args.base_url else prefix_state,
         fresh_baseline=not args.no_fresh,
         compare_prefix_off=args.compare_prefix_off,
     )
