@@ -134,6 +134,9 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt tokens its cached prefix blocks held at its first admission (None until admitted;
+    # a readmission after preemption does not change it): usage's cached_tokens.
+    num_cached_tokens: int | None = None
     finished: bool = False
     finish_reason: str | None = None
     output_text: str = ""
@@ -148,13 +151,35 @@ class Request:
 
 
 @dataclass
+class ToolCall:
+    """A tool call parsed from a model's output: the function's name and the JSON text of its
+    arguments object exactly as the model wrote it."""
+
+    name: str
+    arguments: str
+
+    def to_openai(self, call_id: str) -> dict[str, Any]:
+        """The call as an OpenAI `tool_calls` entry."""
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
 class CompletionOutput:
-    """One generated continuation of a prompt."""
+    """One generated continuation of a prompt. From LLM.chat, `tool_calls` holds the calls
+    parsed from `text` when tools were given (empty when the model answered in prose) and
+    `content` the text before the first call (None when nothing precedes it), or the whole text
+    when no call was made; generate() leaves both empty."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None
 
 
 @dataclass
@@ -166,3 +191,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens reused from the KV prefix cache

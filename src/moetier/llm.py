@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError, DeviceMemoryError
 from moetier.threads import check_threads
+
+if TYPE_CHECKING:
+    from moetier.tools.support import ToolSupport
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +157,7 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(model)
         self.engine = _build_engine(self.config, self.tokenizer)
+        self._tool_supports: dict[str | None, ToolSupport] = {}  # by format name, made on use
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -203,17 +208,61 @@ class LLM:
         return [self.engine.to_output(r) for r in requests]
 
     def chat(
-        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_parser: str | None = None,
     ) -> RequestOutput:
-        """Apply the checkpoint's chat template to `messages` and generate one reply."""
+        """Apply the checkpoint's chat template to `messages` and generate one reply.
+
+        `tools` (OpenAI function tools) and `tool_choice` ("auto", the default; "none";
+        "required"; or {"type": "function", "function": {"name": ...}}) work as in the
+        server's chat completions: the template renders the tools, required or named choices
+        force one call through a grammar, and the reply's `outputs[0].tool_calls` holds the
+        parsed calls (`content`: the text before them, or the whole text when no call).
+        `tool_parser` names the format when the template's is not detected (the server's
+        --tool-call-parser)."""
+        from moetier.tools.support import ToolError, template_messages
+
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if not isinstance(ids, list):
-            ids = list(ids["input_ids"])
-        return self.generate([ids], params)[0]
+        support = self._tool_support(tool_parser)
+        try:
+            plan, rendered = support.plan(tools, tool_choice, parallel_tool_calls)
+        except ToolError as exc:
+            raise ConfigError(f"{exc.param}: {exc}") from exc
+        params = params or SamplingParams()
+        if plan.forced is not None:
+            if params.structured is not None:
+                raise ConfigError(
+                    "params.structured cannot be combined with a forced tool call "
+                    "(tool_choice required or a named function)"
+                )
+            params = replace(params, structured=plan.forced)
+        if plan.parser is not None and plan.parser.keeps_special_tokens:
+            params = replace(params, skip_special_tokens=False)
+        ids = support.render(template_messages(messages), rendered)
+        out = self.generate([ids], params)[0]
+        for c in out.outputs:
+            c.content, c.tool_calls = plan.calls(c.text)
+        return out
+
+    def _tool_support(self, parser: str | None) -> ToolSupport:
+        """The tokenizer's tool support for a format name (None: detected), made once."""
+        from moetier.tools.parsers import get_tool_parser
+        from moetier.tools.support import ToolSupport
+
+        if parser is not None:
+            try:
+                get_tool_parser(parser)
+            except KeyError as exc:
+                raise ConfigError(str(exc.args[0])) from exc
+        if parser not in self._tool_supports:
+            self._tool_supports[parser] = ToolSupport(self.tokenizer, parser)
+        return self._tool_supports[parser]
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:

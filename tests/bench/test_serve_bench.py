@@ -227,3 +227,54 @@ def test_random_prompts_without_a_vocabulary_fall_back_to_byte_ids() -> None:
     assert all(0 <= t < 256 for p in prompts for t in p.prompt)  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="need a tokenizer"):
         sample_random(Empty(), 1, 5, 2, seed=0, as_text=True)
+
+
+# Agent workload on the tiny model: block size 16 (serve's default), first prompt 20 ids,
+# answers of 4 tokens, tool results of 24 ids: prompts of 20, 48 and 76 tokens. After turn t its
+# computed tokens (prompt + answer - 1: the last answer token is never fed) leave
+# floor(/16) full blocks cached, all of which turn t + 1's prompt starts with.
+_AGENT_PROMPTS = [20, 48, 76]
+_AGENT_HITS = [0, (20 + 4 - 1) // 16 * 16, (48 + 4 - 1) // 16 * 16]  # 0, 16, 48 per conversation
+
+
+def test_bench_serve_agent_turns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_server_model(tmp_path / "tiny-moe", max_position_embeddings=512)
+    out = tmp_path / "agent.json"
+    rc = main([
+        "bench", "serve", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        "--expert-budget", "50%", "--workload", "agent", "--turns", "3", "--input-len", "20",
+        "--tool-result-len", "24", "--output-len", "4", "--num-prompts", "2",
+        "--temperature", "0", "--compare-prefix-off", "--save-result", str(out),
+        "--no-progress", "--server-log", str(tmp_path / "server.log"),
+    ])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, (tmp_path / "server.log").read_text()
+    assert "| turn |" in text and "fresh TTFT med ms" in text
+    result = json.loads(out.read_text())
+    s = result["settings"]
+    assert (s["workload"], s["turns"], s["tool_result_len"]) == ("agent", 3, 24)
+    assert "--enable-prefix-caching" in s["server_command"].split()
+    assert s["prefix_caching"] == "on" and s["device_slots"] == 12  # 50% of 3 layers x 8
+    turns = result["agent"]["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert [t["prompt_tokens_median"] for t in turns] == _AGENT_PROMPTS
+    assert [t["new_tokens_median"] for t in turns] == [20, 4 + 24, 4 + 24]
+    assert [t["prefix_cache_queries"] for t in turns] == [2 * n for n in _AGENT_PROMPTS]
+    assert [t["prefix_cache_hits"] for t in turns] == [2 * h for h in _AGENT_HITS]
+    assert [t["cached_tokens_mean"] for t in turns] == _AGENT_HITS
+    assert turns[1]["prefix_hit_rate"] == pytest.approx(16 / 48)
+    for t in turns:
+        assert _finite(t["ttft_median_ms"]) and t["bytes_host_to_device_mean"] is not None
+        assert t["tokens_match_prefix_off"] is True
+        assert _finite(t["prefix_off_ttft_median_ms"])
+    assert turns[0]["fresh_ttft_median_ms"] is None  # turn 1 is its own fresh request
+    for t in turns[1:]:
+        assert _finite(t["fresh_ttft_median_ms"]) and _finite(t["ttft_over_fresh"])
+        assert t["fresh_prefix_cache_hits"] == 0
+    off = result["agent"]["prefix_off"]["turns"]
+    assert [t["prefix_cache_hits"] for t in off] == [0, 0, 0]
+    rows = result["agent"]["requests"]
+    assert [(r["conversation"], r["turn"]) for r in rows] == [
+        (c, t) for c in (0, 1) for t in (1, 2, 3)
+    ]
+    assert all(len(r["output_ids"]) == 4 for r in rows)

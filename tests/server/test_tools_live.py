@@ -114,3 +114,72 @@ def test_server_and_library_constrain_alike(
     assert r.choices[0].text == out.text
     assert r.choices[0].token_ids == out.token_ids  # type: ignore[attr-defined]
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.fixture(scope="module")
+def llm(tools_model: Path) -> LLM:
+    return LLM(str(tools_model), device=DEVICE, dtype="float32", progress=False)
+
+
+def test_llm_chat_tools_match_the_server(
+    client: openai.OpenAI, server: LiveServer, llm: LLM
+) -> None:
+    """LLM.chat(tools=, tool_choice=) renders, forces and parses as the server does: the same
+    seed gives the same call, whose arguments validate."""
+    for seed, choice in (
+        (0, "required"),
+        (5, {"type": "function", "function": {"name": "get_time"}}),
+    ):
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed)
+        out = llm.chat(MESSAGES, params, tools=TOOLS, tool_choice=choice).outputs[0]
+        (call,) = out.tool_calls
+        _valid_call(call.name, call.arguments)
+        assert out.content is None and out.finish_reason == "stop"
+        r = client.chat.completions.create(
+            model=server.model, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=120, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        (served,) = r.choices[0].message.tool_calls or []
+        assert (served.function.name, served.function.arguments) == (call.name, call.arguments)
+        if not isinstance(choice, str):
+            assert call.name == "get_time"
+    # a past call and its result render as the server renders them; "none" answers in text
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    reply = llm.chat(history, SamplingParams(max_tokens=4, seed=1), tools=TOOLS, tool_choice="none")
+    (out,) = reply.outputs
+    assert out.tool_calls == [] and out.content == out.text
+    assert "<tool_call>" in llm.tokenizer.decode(reply.prompt_token_ids)
+    r = client.chat.completions.create(
+        model=server.model, messages=history, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+        max_tokens=4, temperature=1.0, seed=1,
+    )  # fmt: skip
+    assert r.usage is not None and r.usage.prompt_tokens == len(reply.prompt_token_ids)
+    assert r.choices[0].message.content == out.text
+    # the same conversation again reuses its full KV blocks (16 tokens each, the last token
+    # always computed), as RequestOutput.num_cached_tokens says
+    again = llm.chat(history, SamplingParams(max_tokens=4, seed=1), tools=TOOLS, tool_choice="none")
+    n = len(again.prompt_token_ids)
+    assert again.num_cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.outputs[0].token_ids == out.token_ids
+
+
+def test_llm_chat_tool_errors(llm: LLM) -> None:
+    from moetier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tool_choice needs tools"):
+        llm.chat(MESSAGES, tool_choice="required")
+    with pytest.raises(ConfigError, match="not among the tools"):
+        llm.chat(MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(ConfigError, match=r"tools\[0\] must be"):
+        llm.chat(MESSAGES, tools=[{"name": "get_time"}])
+    with pytest.raises(ConfigError, match="unknown tool-call format"):
+        llm.chat(MESSAGES, tools=TOOLS, tool_parser="nope")
+    with pytest.raises(ConfigError, match="cannot be combined with a forced tool call"):
+        structured = SamplingParams(structured=StructuredOutput(json_object=True))
+        llm.chat(MESSAGES, structured, tools=TOOLS, tool_choice="required")

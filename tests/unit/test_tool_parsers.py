@@ -8,7 +8,7 @@ import pytest
 
 from moetier.core import StructuredOutput
 from moetier.engine.structured import compile_grammar
-from moetier.server.tool_parsers import (
+from moetier.tools.parsers import (
     CallDelta,
     HermesParser,
     Llama3JsonParser,

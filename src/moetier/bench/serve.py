@@ -39,6 +39,8 @@ _COUNTER_KEYS = {
     "moetier:num_preemptions_total": "preemptions",
     "moetier:generation_tokens_total": "generation_tokens",
     "moetier:prompt_tokens_total": "prompt_tokens",
+    "moetier:prefix_cache_queries_total": "prefix_cache_queries",
+    "moetier:prefix_cache_hits_total": "prefix_cache_hits",
     'moetier:engine_steps_total{step="decode"}': "decode_steps",
     'moetier:engine_steps_total{step="prefill"}': "prefill_steps",
 }
@@ -80,6 +82,9 @@ class RequestResult:
     ttft: float = math.nan
     e2el: float = math.nan
     itl: list[float] = field(default_factory=list)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens when sent
+    output_ids: list[int] = field(default_factory=list)  # streamed token ids
+    output_text: str = ""
 
     @property
     def tpot(self) -> float:
@@ -121,6 +126,9 @@ def _payload(run: ServeBenchRun, p: BenchPrompt, index: int) -> tuple[str, dict[
         "ignore_eos": True,
         "return_token_ids": True,
     }
+    if run.endpoint == "chat" and p.messages is not None:
+        body["messages"] = p.messages
+        return "/v1/chat/completions", body
     if run.endpoint == "chat":
         text = p.prompt if isinstance(p.prompt, str) else ""
         if not text:
@@ -131,15 +139,28 @@ def _payload(run: ServeBenchRun, p: BenchPrompt, index: int) -> tuple[str, dict[
     return "/v1/completions", body
 
 
+def _chunk_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _chunk_tokens(choice: dict[str, Any]) -> int:
     """Tokens a streamed choice carries: its token ids (vLLM's return_token_ids), else one per
     non-empty text piece."""
     ids = choice.get("token_ids")
     if isinstance(ids, list):
         return len(ids)
-    delta = choice.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-    return 1 if text else 0
+    return 1 if _chunk_text(choice) else 0
+
+
+def _usage(res: RequestResult, usage: dict[str, Any]) -> int:
+    """Take prompt and cached tokens from a usage object; its completion tokens."""
+    res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        res.cached_tokens = int(details["cached_tokens"])
+    return int(usage["completion_tokens"])
 
 
 async def send_request(
@@ -171,9 +192,12 @@ async def send_request(
                     return res
                 usage = msg.get("usage")
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
-                    res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
-                n = sum(_chunk_tokens(c) for c in msg.get("choices") or [])
+                    usage_tokens = _usage(res, usage)
+                choices = msg.get("choices") or []
+                for c in choices:
+                    res.output_ids += c.get("token_ids") or []
+                    res.output_text += _chunk_text(c)
+                n = sum(_chunk_tokens(c) for c in choices)
                 if n == 0:
                     continue
                 now = time.perf_counter()
@@ -344,6 +368,12 @@ def add_sharing(levels: list[dict[str, Any]]) -> None:
         off["distinct_over_sum_source"] = "estimated from concurrency 1"
 
 
+def request_record(r: RequestResult) -> dict[str, Any]:
+    """One request for the JSON: lengths, latencies (s) and error; not its tokens or gaps."""
+    skip = ("itl", "output_ids", "output_text")
+    return {k: v for k, v in asdict(r).items() if k not in skip} | {"tpot": r.tpot}
+
+
 async def _arrivals(n: int, rate: float, rng: random.Random) -> Any:
     for i in range(n):
         yield i
@@ -384,9 +414,7 @@ async def _run_level(client: Any, run: ServeBenchRun, concurrency: int) -> dict[
     level["offload"] = offload_delta(before, after, level["total_output_tokens"])
     level["offload_counters_before"] = before
     level["offload_counters_after"] = after
-    level["requests"] = [
-        {k: v for k, v in asdict(r).items() if k != "itl"} | {"tpot": r.tpot} for r in results
-    ]
+    level["requests"] = [request_record(r) for r in results]
     return level
 
 

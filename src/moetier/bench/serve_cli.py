@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from moetier.bench.serve_data import BenchPrompt
 from moetier.errors import ConfigError
 
 
@@ -98,6 +99,31 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
         help="sampling temperature (each request seeded: same tokens per level)",
     )
     wl.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    wl.add_argument(
+        "--workload",
+        choices=["requests", "agent"],
+        default="requests",
+        help="requests: independent prompts per concurrency level; agent: multi-turn "
+        "conversations (--turns, --tool-result-len), one request at a time, prefix caching on",
+    )
+    wl.add_argument("--turns", type=int, default=6, help="agent: turns per conversation")
+    wl.add_argument(
+        "--tool-result-len",
+        type=int,
+        default=2048,
+        help="agent: tokens of the tool result each turn after the first adds",
+    )
+    wl.add_argument(
+        "--no-fresh",
+        action="store_true",
+        help="agent: skip the fresh request (only the turn's new tokens) after each turn",
+    )
+    wl.add_argument(
+        "--compare-prefix-off",
+        action="store_true",
+        help="agent: run the same conversations again on a second started server with "
+        "prefix caching off (TTFT and output ids side by side)",
+    )
     wl.add_argument("--api-key", default=None, help="bearer key (default: $MOETIER_API_KEY)")
     wl.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
     wl.add_argument("--request-timeout", type=float, default=3600.0)
@@ -122,7 +148,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve_command(args: argparse.Namespace, port: int, api_key: str | None) -> list[str]:
+def _serve_command(
+    args: argparse.Namespace, port: int, api_key: str | None, prefix_caching: bool = False
+) -> list[str]:
     cmd = [sys.executable, "-m", "moetier", "serve"]
     if args.model:
         cmd.append(args.model)
@@ -141,19 +169,28 @@ def _serve_command(args: argparse.Namespace, port: int, api_key: str | None) -> 
         # The sweep's largest level must fit the running batch (serve's default is 64).
         cmd += ["--max-num-seqs", str(max(64, *_concurrencies(args.max_concurrency)))]
     # Every concurrency level (and the warm-up) sends the same prompts: without this, all but
-    # the first would prefill from the prefix cache. --serve-args can turn it back on.
-    cmd.append("--no-enable-prefix-caching")
+    # the first would prefill from the prefix cache. --serve-args can turn it back on. The
+    # agent workload measures the prefix cache, so it asks for it explicitly.
+    cmd.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     return cmd + shlex.split(args.serve_args)
 
 
 @contextlib.contextmanager
-def started_server(args: argparse.Namespace, api_key: str | None) -> Iterator[dict[str, Any]]:
+def started_server(
+    args: argparse.Namespace,
+    api_key: str | None,
+    prefix_caching: bool = False,
+    log_suffix: str = "",
+) -> Iterator[dict[str, Any]]:
     """`moetier serve` on a free loopback port until /health answers; SIGTERM on exit."""
     import httpx
 
     port = _free_port()
-    cmd = _serve_command(args, port, api_key)
-    log_path = Path(args.server_log or tempfile.mkstemp(prefix="moetier-serve-", suffix=".log")[1])
+    cmd = _serve_command(args, port, api_key, prefix_caching)
+    log_path = Path(
+        (args.server_log + log_suffix if args.server_log else None)
+        or tempfile.mkstemp(prefix="moetier-serve-", suffix=".log")[1]
+    )
     env = {**os.environ, "TQDM_DISABLE": "1"}
     url = f"http://127.0.0.1:{port}"
     shown = [c if c != api_key else "***" for c in cmd]
@@ -369,6 +406,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         print("note: --base-url given: server flags are not applied", file=sys.stderr)
     tok_path = _tokenizer_path(args)
     tokenizer = load_tokenizer(tok_path)
+    if args.workload == "agent":
+        return _cmd_agent(args, tokenizer, tok_path, api_key)
     prompts, in_desc, out_desc = _prompts(args, tokenizer)
     with contextlib.ExitStack() as stack:
         started = None
@@ -396,12 +435,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         )
         results = asyncio.run(run_bench(run))
     slots = next((lv["offload"].get("device_slots") for lv in results if lv.get("offload")), None)
-    if slots is not None:
-        settings["device_slots"] = int(slots)
-        if settings.get("expert_bytes"):
-            settings["expert_budget_bytes"] = int(slots) * settings["expert_bytes"]
-            total = settings["expert_bytes"] * settings["num_experts"] * settings["num_moe_layers"]
-            settings["expert_budget_fraction"] = settings["expert_budget_bytes"] / total
+    _slot_settings(settings, slots)
     result = {"settings": settings, "results": results, "notes": _notes(results)}
     print(serve_table(result))
     for note in result["notes"]:
@@ -410,6 +444,17 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         save_json(args.save_result, result)
         print(f"\nsaved {args.save_result}", file=sys.stderr)
     return 0 if all(lv["failed"] == 0 for lv in results) else 1
+
+
+def _slot_settings(settings: dict[str, Any], slots: float | None) -> None:
+    """The expert budget as the server's slot gauge says: slots, bytes, fraction."""
+    if slots is None:
+        return
+    settings["device_slots"] = int(slots)
+    if settings.get("expert_bytes"):
+        settings["expert_budget_bytes"] = int(slots) * settings["expert_bytes"]
+        total = settings["expert_bytes"] * settings["num_experts"] * settings["num_moe_layers"]
+        settings["expert_budget_fraction"] = settings["expert_budget_bytes"] / total
 
 
 def _notes(results: list[dict[str, Any]]) -> list[str]:
@@ -444,3 +489,93 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
     if any(lv["output_len_mismatch"] for lv in results):
         notes.append("some requests returned a different number of tokens than max_tokens")
     return notes
+
+
+def _agent_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Any], list[Any]]:
+    """(the conversations, the warm-up prompts: random, drawn apart from the conversations)."""
+    from moetier.bench.serve_data import sample_agent, sample_random
+
+    if args.turns < 1:
+        raise ConfigError("--turns must be at least 1")
+    as_text = args.endpoint == "chat"
+    input_len, output_len = args.input_len or 128, args.output_len or 128
+    convs = sample_agent(
+        tokenizer, args.num_prompts, args.turns, input_len, args.tool_result_len, output_len,
+        args.seed, as_text,
+    )  # fmt: skip
+    warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
+    return convs, warm
+
+
+def _cmd_agent(args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key: str | None) -> int:
+    """The agent workload: conversations on a server with prefix caching on (and, with
+    --compare-prefix-off, again on one with it off); the per-turn table."""
+    from moetier.bench.report import save_json
+    from moetier.bench.serve import ServeBenchRun
+    from moetier.bench.serve_agent import agent_table, compare_outputs, run_agent
+
+    if args.dataset != "random":
+        raise ConfigError("--workload agent draws random tokens: use --dataset random")
+    if args.compare_prefix_off and args.base_url:
+        raise ConfigError("--compare-prefix-off starts its own servers: leave out --base-url")
+    convs, warm = _agent_workload(args, tokenizer)
+    runs: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    for prefix in (True, False) if args.compare_prefix_off else (True,):
+        with contextlib.ExitStack() as stack:
+            started, url = None, (args.base_url or "").rstrip("/")
+            if not url:
+                suffix = "" if prefix else ".prefix-off"
+                started = stack.enter_context(started_server(args, api_key, prefix, suffix))
+                url = started["url"]
+            served = _served_model(url, api_key, args.served_model_name)
+            run = ServeBenchRun(
+                base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
+                concurrencies=[1], seed=args.seed, temperature=args.temperature,
+                api_key=api_key, warmup=args.warmup, request_timeout_s=args.request_timeout,
+                progress=False,
+            )  # fmt: skip
+            runs["on" if prefix else "off"] = asyncio.run(run_agent(run, convs, not args.no_fresh))
+            if prefix:
+                firsts = [BenchPrompt(c.first, c.first_len, c.output_len) for c in convs]
+                desc = (str(args.input_len or 128), str(args.output_len or 128))
+                settings = _settings(
+                    args, args.model or tok_path, served, url, firsts, *desc, started
+                )
+    _slot_settings(settings, runs["on"].get("device_slots"))
+    turned_off = "--no-enable-prefix-caching" in shlex.split(args.serve_args)
+    prefix_state = "off (--serve-args)" if turned_off else "on"
+    settings.update(
+        workload="agent",
+        turns=args.turns,
+        tool_result_len=args.tool_result_len,
+        prefix_caching="the server's own" if args.base_url else prefix_state,
+        fresh_baseline=not args.no_fresh,
+        compare_prefix_off=args.compare_prefix_off,
+    )
+    agent = runs["on"]
+    if "off" in runs:
+        compare_outputs(agent, runs["off"])
+        agent["prefix_off"] = runs["off"]
+    result = {"settings": settings, "agent": agent, "notes": _agent_notes()}
+    print(agent_table(result))
+    for note in result["notes"]:
+        print(f"- {note}")
+    if args.save_result:
+        save_json(args.save_result, result)
+        print(f"\nsaved {args.save_result}", file=sys.stderr)
+    return 0
+
+
+def _agent_notes() -> list[str]:
+    return [
+        "agent: one request in flight; turn t resends turn t-1's prompt and answer plus a new "
+        "tool result; TTFT per turn is the median over conversations.",
+        "fresh: right after each turn t >= 2, a request whose prompt is only that turn's new "
+        "tokens (the previous answer and the tool result, max_tokens 1); the target is TTFT "
+        "of turns 2.. <= 1.2x fresh.",
+        "prefix queries / hits: deltas of moetier:prefix_cache_queries_total / "
+        "moetier:prefix_cache_hits_total over the turn's requests (summed over conversations); "
+        "cached_tokens: usage.prompt_tokens_details, mean; bytes: mean expert bytes moved per "
+        "conversation turn (moetier:expert_bytes_total by path).",
+    ]

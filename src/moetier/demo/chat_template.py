@@ -3,7 +3,7 @@
 Without `tools` it renders exactly what SmolLM2-135M-Instruct's own template renders (the demo's
 routers are fit and checked on those prompts). With `tools` the system turn lists them inside
 `<tools></tools>` and asks for `<tool_call>{...}</tool_call>` blocks, the format Qwen2.5 and
-Hermes 2 Pro use (server/tool_parsers.py's `hermes`); past calls and tool results render the
+Hermes 2 Pro use (tools/parsers.py's `hermes`); past calls and tool results render the
 same way Qwen2.5's template renders them.
 """
 

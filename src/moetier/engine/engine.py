@@ -218,6 +218,7 @@ class Engine:
             len(req.prompt_token_ids),
             len(req.output_token_ids),
             [logprob] if logprob is not None else [],
+            req.num_cached_tokens or 0,
         )
 
     def _forget(self, req: Request) -> None:
@@ -260,4 +261,10 @@ class Engine:
         completion = CompletionOutput(
             0, req.output_text, list(req.output_token_ids), req.finish_reason
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion])
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [completion],
+            num_cached_tokens=req.num_cached_tokens or 0,
+        )

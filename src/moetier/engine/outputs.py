@@ -33,3 +33,4 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens reused from the KV prefix cache at admission

@@ -84,6 +84,8 @@ class Scheduler:
             return False
         self.blocks.allocate(req.request_id, need, prefix)
         req.num_computed_tokens = start
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = start
         if self.blocks.prefix_caching:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += start

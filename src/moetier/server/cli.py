@@ -17,8 +17,8 @@ from typing import Any
 
 from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from moetier.errors import ConfigError
-from moetier.server.tool_parsers import TOOL_PARSERS
 from moetier.threads import THREADS_HELP, threads_arg
+from moetier.tools.parsers import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,8 @@ from moetier.metrics import ServerMetrics
 from moetier.server.app import APIError, ServerSettings
 from moetier.server.engine_process import EngineClient, Rejected, StreamEvent, Unavailable
 from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from moetier.server.tools import (
-    ChoiceStream,
-    ToolError,
-    ToolPlan,
-    ToolSupport,
-    final_message,
-    message_dicts,
-)
+from moetier.server.tools import ChoiceStream, body_plan, final_message, message_dicts
+from moetier.tools.support import ToolError, ToolPlan, ToolSupport
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -48,6 +42,7 @@ class _Choice:
     error: str | None = None
     status: int = 500  # with `error`: 400 rejected at admission, 503 ended by shutdown
     last_t: float | None = None
+    cached_tokens: int = 0  # prompt tokens the engine reused from the KV prefix cache
 
 
 @dataclass
@@ -66,13 +61,19 @@ class _Job:
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage; prompt tokens count each prompt once (not once per `n` choice), so
+        cached_tokens is each prompt's first choice's reused prefix."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
+        first = {c.prompt_index: c for c in reversed(self.choices)}
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(c.cached_tokens for c in first.values())
+            },
         }
 
 
@@ -115,7 +116,9 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_body(body)
         try:
-            plan, tools = self.tools.plan(body) if self._has_template() else (ToolPlan(), None)
+            plan, tools = (
+                body_plan(self.tools, body) if self._has_template() else (ToolPlan(), None)
+            )
         except ToolError as exc:
             raise APIError(400, str(exc), param=exc.param, code="unsupported") from exc
         structured = self._structured(body)
@@ -346,6 +349,7 @@ class Serving:
                 self.metrics.observe_token(c.last_t is None, since / len(ev.token_ids))
                 c.last_t = now
         c.text.append(ev.text)
+        c.cached_tokens = max(c.cached_tokens, ev.num_cached_tokens)
         c.token_ids += ev.token_ids
         c.logprobs += ev.logprobs
         if ev.finished:

@@ -17,13 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from moetier.core import ToolCall as ToolCall  # defined in core: outputs carry it
 from moetier.engine.structured import json_grammar_text
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text of the arguments object
 
 
 @dataclass
