@@ -103,7 +103,8 @@ def min_budget(path: Path, dtype_bytes: int = 4) -> str:
     """The smallest expert budget moetier accepts for this checkpoint: top-k slots, in bytes."""
     cfg = json.loads((path / "config.json").read_text())
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    return f"{cfg['num_experts_per_tok'] * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
+    top_k = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]  # Gemma 4 names it so
+    return f"{top_k * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
 
 
 def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
