@@ -99,12 +99,23 @@ def hf_last_logits(model: Any, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt], device=model.device)).logits[0, -1].float().cpu()
 
 
+def top_k(cfg: dict[str, Any]) -> int:
+    """Experts per token from a config.json (Gemma 4 names it top_k_experts)."""
+    return int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
+
+
+def moe_kernels_apply(path: Path) -> bool:
+    """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
+    silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop."""
+    cfg = json.loads((path / "config.json").read_text())
+    return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
+
+
 def min_budget(path: Path, dtype_bytes: int = 4) -> str:
     """The smallest expert budget moetier accepts for this checkpoint: top-k slots, in bytes."""
     cfg = json.loads((path / "config.json").read_text())
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    top_k = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]  # Gemma 4 names it so
-    return f"{top_k * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
+    return f"{top_k(cfg) * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
 
 
 def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:

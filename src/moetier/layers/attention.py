@@ -168,8 +168,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=o_bias)
         self.qk_norm = qk_norm
-        if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        if qk_norm == "head":  # nn.Module: a family may bring its own norm (Gemma 4)
+            self.q_norm: nn.Module = RMSNorm(self.head_dim, eps)
+            self.k_norm: nn.Module = RMSNorm(self.head_dim, eps)
         elif qk_norm == "full":
             self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps)
             self.k_norm = RMSNorm(self.n_kv * self.head_dim, eps)

@@ -29,19 +29,31 @@ from moetier.models.registry import Family, register
 
 # Legend: T tokens, D hidden.
 
-_NORMS = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "pre_feedforward_layernorm",
-    "post_feedforward_layernorm",
-    "post_feedforward_layernorm_1",
-    "pre_feedforward_layernorm_2",
-    "post_feedforward_layernorm_2",
-)
-
 
 class Gemma4MoE(MoEBlock):
-    """Routed experts that route on one input (the residual) and compute on another."""
+    """Routed experts that route on one input (the residual) and compute on another.
+
+    The MoE kernels fuse silu only and `routed` computes any other activation (Gemma 4's
+    gelu_pytorch_tanh) with the per-expert loop. The kernel switches read off here, whatever
+    the runner sets, so the block does not claim a kernel path it never takes: CUDA graphs
+    (engine/graphs.py `graph_safe`) capture only blocks whose steps take a kernel.
+    """
+
+    @property
+    def slot_kernel_max_pairs(self) -> int:
+        return self._slot_pairs if self.act_name == "silu" else 0
+
+    @slot_kernel_max_pairs.setter
+    def slot_kernel_max_pairs(self, pairs: int) -> None:
+        self._slot_pairs = pairs
+
+    @property
+    def grouped_kernel(self) -> bool:
+        return self._grouped and self.act_name == "silu"
+
+    @grouped_kernel.setter
+    def grouped_kernel(self, on: bool) -> None:
+        self._grouped = on
 
     def forward(self, x: torch.Tensor, experts_in: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] the router input, experts_in [T, D] the experts' input -> [T, D]."""
@@ -65,8 +77,13 @@ class Gemma4DecoderLayer(nn.Module):
         d, eps, act = config.hidden_size, config.rms_norm_eps, config.hidden_activation
         self.self_attn = Gemma4Attention(config, layer)
         self.mlp = GatedMLP(d, config.intermediate_size, act)
-        for name in _NORMS:
-            setattr(self, name, GemmaRMSNorm(d, eps))
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)  # the dense MLP's
+        self.post_feedforward_layernorm_1 = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm_2 = GemmaRMSNorm(d, eps)  # the experts'
+        self.post_feedforward_layernorm_2 = GemmaRMSNorm(d, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)  # of the two branches' sum
         # Registered before `moe`, so its parameters are named `router.*` (as on disk) and
         # `moe.gate` is the same module.
         self.router = Gemma4Router(d, config.num_experts, config.top_k_experts, eps)
