@@ -154,7 +154,9 @@ def expert_prefixes(config: Any) -> dict[int, list[str]]:
 
 
 def adapt_config(config: Any) -> None:
-    """The engine reads the top-k as num_experts_per_tok; Gemma 4 names it top_k_experts."""
+    """Refuse what is not supported before the engine reads expert counts; the engine reads
+    the top-k as num_experts_per_tok, which Gemma 4 names top_k_experts."""
+    _check(config)
     if getattr(config, "num_experts_per_tok", None) is None:
         config.num_experts_per_tok = config.top_k_experts
 
