@@ -1,7 +1,8 @@
 """Gemma 4 specifics beyond the cross-family suite: the recipe exercises the sliding window and
 the soft cap (HF's own tokens change without them), the router's hand-over to MoEBlock survives
 a predictor calling other layers' routers and the bench swapping the gates, chunked prefill
-keeps the window, and unsupported Gemma 4 variants are refused clearly."""
+keeps the window, the released multimodal form (Gemma4ForConditionalGeneration) runs its
+language model, and unsupported Gemma 4 variants are refused clearly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from moetier import LLM
 from moetier.errors import UnsupportedModelError
@@ -20,7 +22,9 @@ from tests.models.parity import (
     hf_greedy,
     hf_last_logits,
     hf_model,
+    min_budget,
     moetier_greedy,
+    randomize,
 )
 from tests.models.test_prefetch_parity import waves_budget
 
@@ -90,3 +94,19 @@ def test_unsupported_variants_are_refused(
     path = _with_config(ckpt, tmp_path / "variant", **change)
     with pytest.raises(UnsupportedModelError, match=what):
         LLM(str(path), device="cpu", dtype="float32", progress=False)
+
+
+def test_multimodal_wrapper_runs_its_language_model(tmp_path: Path) -> None:
+    # The released checkpoints are Gemma4ForConditionalGeneration: tensors under
+    # model.language_model.*, the text settings in text_config (towers left out here).
+    from transformers import AutoConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = AutoConfig.for_model("gemma4_text", **{**GEMMA.tiny, **GEMMA.main})
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).float()
+    randomize(model)
+    model.save_pretrained(tmp_path / "wrapper")
+    path = tmp_path / "wrapper"
+    assert check_parity(path, None)["total_experts"] == GEMMA.routed_experts
+    assert check_parity(path, min_budget(path))["disk_reads"] > 0

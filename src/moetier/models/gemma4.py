@@ -162,3 +162,39 @@ def adapt_config(config: Any) -> None:
 
 
 FAMILY = register("Gemma4ForCausalLM")(Family("gemma4", build, expert_prefixes, (), adapt_config))
+
+
+def adapt_wrapper(config: Any) -> None:
+    """The multimodal checkpoint (Gemma4ForConditionalGeneration, the released form) keeps the
+    text model's settings in text_config; those the engine reads from the top level are copied
+    there (where the wrapper lacks them). Its vision and audio towers are never loaded."""
+    text = config.text_config
+    adapt_config(text)
+    for name in _ENGINE_READS:
+        if getattr(config, name, None) is None:
+            setattr(config, name, getattr(text, name))
+
+
+# Top-level config names the engine, loader and bench read (layers/moe.py moe_config, the
+# engine's vocabulary and stop tokens, the runner's default max_model_len).
+_ENGINE_READS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "eos_token_id",
+)
+
+
+WRAPPER = register("Gemma4ForConditionalGeneration")(
+    Family(
+        "gemma4",
+        lambda config: build(config.text_config),
+        lambda config: {i: [f"model.language_model.layers.{i}"] for i in expert_prefixes(config)},
+        (("model.", "model.language_model."),),
+        adapt_wrapper,
+    )
+)
