@@ -47,6 +47,8 @@ def randomize(model: torch.nn.Module) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (HF: 1)
+                b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")

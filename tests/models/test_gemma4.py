@@ -49,13 +49,14 @@ def _with_config(src: Path, dst: Path, **changes: object) -> Path:
 
 def test_recipe_exercises_window_and_soft_cap(ckpt: Path, tmp_path: Path) -> None:
     # Parity on the recipe means something only if HF depends on what we mirror: the window
-    # changes tokens; the cap (monotonic) changes logits only, which parity compares too.
+    # changes tokens; the cap (monotonic) changes logits only, which parity compares too. (The
+    # layer scalars, buffers HF leaves at 1, are randomized by the harness.)
     ref = hf_model(ckpt)
     wide = hf_model(_with_config(ckpt, tmp_path / "wide", sliding_window=4096))
     assert [hf_greedy(wide, p) for p in PROMPTS] != [hf_greedy(ref, p) for p in PROMPTS]
     uncapped = hf_model(_with_config(ckpt, tmp_path / "uncapped", final_logit_softcapping=None))
     capped = hf_last_logits(ref, PROMPTS[0])
-    assert capped.abs().max() < 3.0 < hf_last_logits(uncapped, PROMPTS[0]).abs().max()
+    assert (capped - hf_last_logits(uncapped, PROMPTS[0])).abs().max() > 0.1  # >> parity's 1e-4
 
 
 def test_parity_with_gate_lookahead(ckpt: Path) -> None:

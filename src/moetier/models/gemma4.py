@@ -111,9 +111,10 @@ class Gemma4CausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, D]."""
         embed = self.model.embed_tokens
-        # HF rounds sqrt(hidden) to the weight dtype first (55.4256 -> 55.5 in bfloat16).
-        scale = torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
-        x = embed(input_ids) * scale.to(input_ids.device)
+        # HF rounds sqrt(hidden) to the weight dtype first (55.4256 -> 55.5 in bfloat16); a
+        # Python scalar of that value multiplies the same, with no host-to-device copy.
+        scale = float(torch.tensor(self.embed_scale, dtype=embed.weight.dtype))
+        x = embed(input_ids) * scale
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)
