@@ -290,6 +290,59 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
     ),
+    # Gemma 4 MoE text: a dense GeGLU MLP beside the routed experts in every layer, a router
+    # on the residual with per-expert scales, sliding layers (window 5 < every prompt + 32 new
+    # tokens) and full layers of another geometry (head_dim 24 vs 16, one KV head, values from
+    # the keys, proportional rope), soft-capped logits (cap 3 bites on these logits); hidden 48,
+    # head_dim 16 != hidden / heads. Experts are fused on disk already. Fused: three layers,
+    # q/k/v/o bias, separate v_proj, other rope thetas and rotated share, top-3, no soft cap.
+    "gemma4": Family(
+        "gemma4_text",
+        dict(
+            hidden_size=48,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=24,
+            num_global_key_value_heads=1,
+            num_experts=8,
+            top_k_experts=2,
+            enable_moe_block=True,
+            hidden_size_per_layer_input=0,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=32,
+        host_case=("50%", "75%"),
+        host_rows=24,
+        main=dict(
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            sliding_window=5,
+            attention_k_eq_v=True,
+            final_logit_softcapping=3.0,
+        ),
+        fused=dict(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            sliding_window=3,
+            attention_bias=True,
+            top_k_experts=3,
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=500.0),
+                full_attention=dict(
+                    rope_type="proportional", partial_rotary_factor=0.5, rope_theta=10000.0
+                ),
+            ),
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

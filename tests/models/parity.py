@@ -30,12 +30,12 @@ def make_checkpoint(path: Path, model_type: str, seed: int = 0, **overrides: Any
     config = AutoConfig.for_model(model_type, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model)
+    randomize(model)
     model.save_pretrained(path)
     return path
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module) -> None:
     """Spread every weight so routing and outputs are far from ties (HF init is tiny)."""
     g = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -47,6 +47,8 @@ def _randomize(model: torch.nn.Module) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (HF: 1)
+                b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -99,11 +101,29 @@ def hf_last_logits(model: Any, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt], device=model.device)).logits[0, -1].float().cpu()
 
 
+def text_config(path: Path) -> dict[str, Any]:
+    """config.json, or its text_config where a multimodal wrapper holds the text model's."""
+    cfg: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return cfg.get("text_config") or cfg
+
+
+def top_k(cfg: dict[str, Any]) -> int:
+    """Experts per token from a config.json (Gemma 4 names it top_k_experts)."""
+    return int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
+
+
+def moe_kernels_apply(path: Path) -> bool:
+    """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
+    silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop."""
+    cfg = text_config(path)
+    return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
+
+
 def min_budget(path: Path, dtype_bytes: int = 4) -> str:
     """The smallest expert budget moetier accepts for this checkpoint: top-k slots, in bytes."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = text_config(path)
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    return f"{cfg['num_experts_per_tok'] * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
+    return f"{top_k(cfg) * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
 
 
 def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:

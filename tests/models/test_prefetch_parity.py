@@ -19,14 +19,14 @@ import pytest
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.transfer import TransferEngine
 from tests.models.families import FAMILIES
-from tests.models.parity import check_parity
+from tests.models.parity import check_parity, top_k
 
 
 def waves_budget(path: Path, waves: int = 3, dtype_bytes: int = 4) -> str:
     cfg = json.loads((path / "config.json").read_text())
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     expert = 3 * cfg["hidden_size"] * inter * dtype_bytes
-    return f"{waves * cfg['num_experts_per_tok'] * expert}B"
+    return f"{waves * top_k(cfg) * expert}B"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

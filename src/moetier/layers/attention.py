@@ -29,12 +29,15 @@ def attend(
     scale: float,
     v_dim: int | None = None,
     chunk: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
 
     v None: values are the first `v_dim` channels of the keys (MLA's cached latent), so only
     the key pool is stored. chunk: local attention in chunks of that many positions (Llama 4's
     chunked layers): a query at position p sees keys from p // chunk * chunk to p only.
+    window: sliding-window attention (Gemma's sliding layers, HF's `kv > q - window`): a query
+    at position p sees keys from p - window + 1 to p only. The whole history stays cached.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table, in q's dtype (the cache casts or dequantizes what it stores, see
@@ -64,7 +67,8 @@ def attend(
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, dk]
         kd, vd = history(meta.decode_slots)  # [B, L, Hkv, d*]
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, d*]
-        mask = meta.decode_mask if chunk is None else _chunked_decode_mask(ctx, chunk)
+        local = chunk is not None or window is not None
+        mask = _local_decode_mask(ctx, chunk, window) if local else meta.decode_mask
         dec = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
         ).squeeze(2)  # [B, H, dv]
@@ -77,7 +81,7 @@ def attend(
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
         ks, vs = history(slots)  # [L, Hkv, d*]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, d*]
-        if span.past == 0 and chunk is None and q.is_cuda:
+        if span.past == 0 and chunk is None and window is None and q.is_cuda:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
             # kernel (native GQA); a mask would send it to a slower kernel.
             o = F.scaled_dot_product_attention(
@@ -88,7 +92,7 @@ def attend(
                 qs,
                 ks,
                 vs,
-                attn_mask=_causal_mask(ctx, i, q.device, chunk),
+                attn_mask=_causal_mask(ctx, i, q.device, chunk, window),
                 scale=scale,
                 enable_gqa=True,
             )
@@ -97,11 +101,16 @@ def attend(
 
 
 def _causal_mask(
-    ctx: ForwardContext, i: int, device: torch.device, chunk: int | None = None
+    ctx: ForwardContext,
+    i: int,
+    device: torch.device,
+    chunk: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[q, L] bool for span i: query j sits at position past + j and sees keys 0 .. past + j
-    (with `chunk`, only those from the start of its chunk on)."""
-    key = ("causal_mask", i, chunk)
+    (with `chunk`, only those from the start of its chunk on; with `window`, only the last
+    `window` of them)."""
+    key = ("causal_mask", i, chunk, window)
     mask = ctx.memo.get(key)
     if mask is None:
         span = ctx.spans[i]
@@ -111,19 +120,25 @@ def _causal_mask(
         mask = cols <= rows
         if chunk is not None:
             mask &= cols >= rows // chunk * chunk
+        if window is not None:
+            mask &= cols > rows - window
         ctx.memo[key] = mask
     return mask
 
 
-def _chunked_decode_mask(ctx: ForwardContext, chunk: int) -> torch.Tensor:
-    """The decode padding mask [B, 1, 1, L] keeping only keys in each query's own chunk: column
-    j of a decode row's slots is position j. Read from the positions tensor (no host sync)."""
-    key = ("chunked_decode_mask", chunk)
+def _local_decode_mask(ctx: ForwardContext, chunk: int | None, window: int | None) -> torch.Tensor:
+    """The decode padding mask [B, 1, 1, L] keeping only keys in each query's own chunk (or
+    its last `window` positions): column j of a decode row's slots is position j. Read from the
+    positions tensor (no host sync)."""
+    key = ("local_decode_mask", chunk, window)
     mask = ctx.memo.get(key)
     if mask is None:
         meta = ctx.kv_batch
         assert meta.decode_mask is not None and meta.decode_rows is not None
-        start = ctx.positions[meta.decode_rows] // chunk * chunk  # [B]
+        pos = ctx.positions[meta.decode_rows]  # [B]
+        start = pos // chunk * chunk if chunk is not None else torch.zeros_like(pos)
+        if window is not None:
+            start = torch.maximum(start, pos - window + 1)
         cols = torch.arange(meta.decode_mask.shape[-1], device=start.device)  # [L]
         mask = meta.decode_mask & (cols[None, :] >= start[:, None])[:, None, None, :]
         ctx.memo[key] = mask
@@ -136,7 +151,8 @@ class Attention(nn.Module):
     qk_norm: None, "head" (per-head RMSNorm, Qwen3) or "full" (RMSNorm over the whole
     projection, OLMoE). bias applies to q/k/v; o_bias to o_proj (Qwen3-MoE and OLMoE bias all four
     under `attention_bias`, Qwen2-MoE only q/k/v). partial_rotary rotates only the first
-    head_dim * partial_rotary_factor channels of each head (GLM-4.5).
+    head_dim * partial_rotary_factor channels of each head (GLM-4.5). layer_type picks the
+    rope settings of configs that key them by layer type (Gemma 4).
     """
 
     def __init__(
@@ -147,6 +163,7 @@ class Attention(nn.Module):
         qk_norm: str | None = None,
         o_bias: bool = False,
         partial_rotary: bool = False,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -159,8 +176,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=o_bias)
         self.qk_norm = qk_norm
-        if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        if qk_norm == "head":  # nn.Module: a family may bring its own norm (Gemma 4)
+            self.q_norm: nn.Module = RMSNorm(self.head_dim, eps)
+            self.k_norm: nn.Module = RMSNorm(self.head_dim, eps)
         elif qk_norm == "full":
             self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps)
             self.k_norm = RMSNorm(self.n_kv * self.head_dim, eps)
@@ -169,7 +187,7 @@ class Attention(nn.Module):
         if partial_rotary:
             factor = rope_parameters(config).get("partial_rotary_factor", 1.0)
             rotary_dim = int(self.head_dim * factor)
-        self.rotary = RotaryEmbedding(config, rotary_dim)
+        self.rotary = RotaryEmbedding(config, rotary_dim, layer_type)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]

@@ -17,3 +17,21 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, self.weight, self.eps, self.fused)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: x * (mean(x^2) + eps) ** -0.5 and the weight both in float32, then
+    cast back; `with_scale=False` has no weight (Gemma 4's v norm and router norm). Not an
+    RMSNorm: the fused kernel scales in the activation dtype with rsqrt, which differs here."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)

@@ -10,10 +10,11 @@ from torch import nn
 from moetier.kernels.rmsnorm_rope import rope, rope_reference
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rope settings as a dict with at least rope_type and rope_theta."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's rope settings as a dict with at least rope_type and rope_theta (those of
+    `layer_type` where the config keys them by layer type, as Gemma 4's)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = dict(params if layer_type is None else params[layer_type])
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
@@ -26,11 +27,15 @@ _STEP_CACHE: dict[object, Any] = {}
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for `dim` rotary channels; non-default rope types use transformers' math."""
+    """cos/sin tables for `dim` rotary channels; non-default rope types use transformers' math.
 
-    def __init__(self, config: Any, dim: int) -> None:
+    layer_type: the config keys its rope settings by layer type (Gemma 4: sliding and full
+    attention layers rotate with their own theta, type and head size); transformers' init
+    functions get it too."""
+
+    def __init__(self, config: Any, dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         if params["rope_type"] == "default":
             base = float(params["rope_theta"])
             arange = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
@@ -42,7 +47,11 @@ class RotaryEmbedding(nn.Module):
             # Models are built under torch.device("meta"); transformers' rope math creates some
             # tensors without a device, so pin the default device to compute real values.
             with torch.device("cpu"):
-                inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+                init = ROPE_INIT_FUNCTIONS[params["rope_type"]]
+                if layer_type is None:
+                    inv_freq, self.scaling = init(config, "cpu")
+                else:
+                    inv_freq, self.scaling = init(config, "cpu", layer_type=layer_type)
         # A plain attribute, not a buffer: models are built on the meta device and this table is
         # computed, not loaded. Moved to the compute device on first use.
         self.inv_freq = inv_freq.float().to("cpu")

@@ -23,6 +23,9 @@ class Family:
     expert_prefixes: Callable[[Any], dict[int, list[str]]]
     # (our substring, checkpoint substring) tried when a tensor is not found under our name
     name_aliases: tuple[tuple[str, str], ...] = ()
+    # Fills, in place, the config names the engine reads where the family's config spells
+    # them otherwise (Gemma 4's top_k_experts as num_experts_per_tok); run by get_family.
+    adapt_config: Callable[[Any], None] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -41,6 +44,7 @@ def _load_builtin() -> None:
     # Importing a family module registers it.
     from moetier.models import (  # noqa: F401
         deepseek,
+        gemma4,
         glm4_moe,
         llama4,
         mixtral,
@@ -60,7 +64,10 @@ def get_family(config: Any) -> Family:
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in FAMILIES:
-            return FAMILIES[arch]
+            family = FAMILIES[arch]
+            if family.adapt_config is not None:
+                family.adapt_config(config)
+            return family
     raise UnsupportedModelError(
         f"architecture {archs or [getattr(config, 'model_type', '?')]} is not supported; moetier "
         f"supports: {', '.join(supported_architectures())}"

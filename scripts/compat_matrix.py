@@ -1,0 +1,248 @@
+"""Write docs/compatibility.md from test evidence: per family x path, what passed.
+
+Reads a junit XML of the CPU suite (`pytest tests/models -m "not gpu" --junitxml=...`), or runs
+that suite itself when none is given, and optionally a junit XML of the GPU suite
+(`pytest tests/gpu -m gpu --junitxml=...`, run on the H200). Every cell comes from test cases
+of one family (the parametrization id's first part is the family's key in
+tests/models/families.py); a column nobody ran says "not run". Never hand-edit the output.
+
+    python scripts/compat_matrix.py                       # runs the CPU suite, writes the doc
+    python scripts/compat_matrix.py --junit cpu.xml --commit abc1234 --gpu-junit gpu.xml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Column:
+    """One matrix column: the test cases (module, function, optional id suffix) it counts."""
+
+    label: str
+    module: str  # dotted test module, as junit's classname
+    function: str
+    suffix: str | None = None  # the parametrization id after the family ("None", "50%", ...)
+    kernel: bool = False  # a MoE kernel path: a non-silu family passes on the loop fallback
+
+
+CPU_COLUMNS = (
+    Column("100% resident", "tests.models.test_family_parity", "test_parity_budgets", "None"),
+    Column("50% budget", "tests.models.test_family_parity", "test_parity_budgets", "50%"),
+    Column("min budget", "tests.models.test_family_parity", "test_parity_budgets", "min"),
+    Column(
+        "disk tier (host < routed)",
+        "tests.models.test_family_parity",
+        "test_parity_host_tier_below_routed_bytes",
+    ),
+    Column("fused layout", "tests.models.test_family_parity", "test_parity_fused_layout"),
+    Column(
+        "grouped kernel path",
+        "tests.models.test_grouped_moe",
+        "test_grouped_kernel_parity",
+        kernel=True,
+    ),
+    Column(
+        "slot kernel path", "tests.models.test_slot_kernel", "test_slot_kernel_parity", kernel=True
+    ),
+    Column("prefetch", "tests.models.test_prefetch_parity", "test_parity_with_same_index_prefetch"),
+)
+GPU_COLUMNS = (
+    Column("H200 fp32 parity", "tests.gpu.test_gpu_parity", "test_fp32_parity_on_cuda"),
+    Column(
+        "H200 disk tier", "tests.gpu.test_gpu_parity", "test_fp32_parity_with_disk_tier_on_cuda"
+    ),
+    Column("H200 bf16 ~ HF", "tests.gpu.test_gpu_parity", "test_bf16_close_to_transformers_bf16"),
+    Column(
+        "H200 grouped kernel",
+        "tests.gpu.test_gpu_grouped",
+        "test_grouped_kernel_parity_every_budget",
+        kernel=True,
+    ),
+    Column(
+        "H200 CUDA graphs",
+        "tests.gpu.test_gpu_graphs",
+        "test_graph_decode_parity_with_transformers",
+        kernel=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    module: str
+    function: str
+    family: str
+    suffix: str  # the id after the family, "" when the family is the whole id
+    outcome: str  # "pass", "fail", "skip"
+
+
+def read_junit(path: Path) -> tuple[list[Case], str]:
+    """The parametrized test cases of a junit XML, and the run's timestamp (ISO, as written)."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    stamp = next((s.get("timestamp", "") for s in suites if s.get("timestamp")), "")
+    cases = []
+    for tc in root.iter("testcase"):
+        name = tc.get("name", "")
+        if "[" not in name:
+            continue
+        function, ident = name.split("[", 1)
+        family, _, suffix = ident.rstrip("]").partition("-")
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            outcome = "fail"
+        elif tc.find("skipped") is not None:
+            outcome = "skip"
+        else:
+            outcome = "pass"
+        cases.append(Case(tc.get("classname", ""), function, family, suffix, outcome))
+    return cases, stamp
+
+
+def cell(cases: list[Case], column: Column, family: str, loop_only: bool) -> str:
+    mine = [
+        c
+        for c in cases
+        if c.family == family
+        and c.module == column.module
+        and c.function == column.function
+        and (column.suffix is None or c.suffix == column.suffix)
+    ]
+    if not mine:
+        return "not run"
+    failed = sum(c.outcome == "fail" for c in mine)
+    passed = sum(c.outcome == "pass" for c in mine)
+    if failed:
+        return f"**FAIL** {failed}/{len(mine)}"
+    if not passed:
+        return "skipped"
+    text = (
+        "pass"
+        if passed == len(mine)
+        else f"pass {passed}/{len(mine)} ({len(mine) - passed} skipped)"
+    )
+    return f"{text} (loop fallback)" if column.kernel and loop_only else text
+
+
+def family_facts() -> dict[str, tuple[str, bool]]:
+    """Family key -> (HF model_type, whether only the per-expert loop computes its experts)."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "src"))
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from tests.models.families import FAMILIES
+    from transformers import AutoConfig
+
+    facts = {}
+    for key, fam in FAMILIES.items():
+        cfg = AutoConfig.for_model(fam.model_type, **{**fam.tiny, **fam.main})
+        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+        facts[key] = (fam.model_type, act != "silu")
+    return facts
+
+
+def table(
+    cases: list[Case], columns: tuple[Column, ...], facts: dict[str, tuple[str, bool]]
+) -> str:
+    head = "| family | " + " | ".join(c.label for c in columns) + " |"
+    rule = "|" + "---|" * (len(columns) + 1)
+    rows = [
+        f"| {key} (`{mtype}`) | "
+        + " | ".join(cell(cases, c, key, loop_only) for c in columns)
+        + " |"
+        for key, (mtype, loop_only) in sorted(facts.items())
+    ]
+    return "\n".join([head, rule, *rows])
+
+
+def git_commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def run_cpu_suite(junit: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/models", "-m", "not gpu"]
+    subprocess.run([*cmd, f"--junitxml={junit}", "-p", "no:cacheprovider"], cwd=ROOT, env=env)
+
+
+def render(cpu: tuple[list[Case], str, str], gpu: tuple[list[Case], str, str] | None) -> str:
+    facts = family_facts()
+    cpu_cases, cpu_stamp, cpu_commit = cpu
+    lines = [
+        "# Compatibility matrix",
+        "",
+        "Generated by `scripts/compat_matrix.py` from junit test results; do not edit by hand.",
+        "A cell is `pass` only where every test case of that family and path passed; `not run`",
+        "means no result for it was given. Every case compares greedy tokens (32 new tokens, three",
+        "prompts) and last-position logits with transformers on a tiny random checkpoint of the",
+        "family's recipe (tests/models/families.py). `(loop fallback)`: the MoE kernels fuse silu",
+        "only, so this family's experts ran on the per-expert loop (and its decode eagerly, not",
+        "as CUDA graphs) with that switch on.",
+        "Through the server, parity is checked for Mixtral only (tests/server); not per family.",
+        "",
+        f'## CPU (`pytest tests/models -m "not gpu"`): {cpu_stamp or "time not recorded"}, '
+        f"commit {cpu_commit}",
+        "",
+        table(cpu_cases, CPU_COLUMNS, facts),
+        "",
+    ]
+    if gpu is None:
+        lines += ["## H200 (`pytest tests/gpu -m gpu`): not run", ""]
+        lines += [table([], GPU_COLUMNS, facts), ""]
+    else:
+        gpu_cases, gpu_stamp, gpu_commit = gpu
+        lines += [
+            f"## H200 (`pytest tests/gpu -m gpu`): {gpu_stamp or 'time not recorded'}, "
+            f"commit {gpu_commit}",
+            "",
+            table(gpu_cases, GPU_COLUMNS, facts),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--junit", type=Path, help="CPU suite junit XML (default: run the suite)")
+    ap.add_argument("--commit", help="commit the --junit run tested (default: HEAD now)")
+    ap.add_argument("--gpu-junit", type=Path, help="GPU suite junit XML (H200)")
+    ap.add_argument("--gpu-commit", default="not recorded", help="commit the GPU run tested")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
+    args = ap.parse_args(argv)
+    commit = args.commit or git_commit()
+    junit = args.junit
+    if junit is None:
+        junit = Path(tempfile.mkdtemp()) / "cpu.xml"
+        run_cpu_suite(junit)
+    cases, stamp = read_junit(junit)
+    if not cases:
+        raise SystemExit(f"{junit}: no parametrized test cases; is it a tests/models junit?")
+    gpu = None
+    if args.gpu_junit is not None:
+        gpu_cases, gpu_stamp = read_junit(args.gpu_junit)
+        gpu = (gpu_cases, gpu_stamp, args.gpu_commit)
+    args.out.write_text(render((cases, stamp, commit), gpu))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

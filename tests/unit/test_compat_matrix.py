@@ -1,0 +1,43 @@
+"""scripts/compat_matrix.py reads junit cases per family and path and never claims a pass it
+did not see: failures, skips and missing results show as such."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
+<testsuite name="pytest" tests="5" timestamp="2026-12-04T20:00:00">
+<testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-None]"/>
+<testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-50%]">
+<failure message="token mismatch">x</failure></testcase>
+<testcase classname="tests.models.test_slot_kernel" name="test_slot_kernel_parity[gemma4-min]"/>
+<testcase classname="tests.models.test_slot_kernel" name="test_slot_kernel_parity[mixtral-min]">
+<skipped message="s"/></testcase>
+<testcase classname="tests.models.test_family_parity" name="test_unparametrized"/>
+</testsuite></testsuites>"""
+
+
+def _script() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "scripts" / "compat_matrix.py"
+    spec = importlib.util.spec_from_file_location("compat_matrix", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cells_from_junit(tmp_path: Path) -> None:
+    cm = _script()
+    (tmp_path / "cpu.xml").write_text(JUNIT)
+    cases, stamp = cm.read_junit(tmp_path / "cpu.xml")
+    assert stamp == "2026-12-04T20:00:00" and len(cases) == 4
+    full, half, low, _, _, _, slot, _ = cm.CPU_COLUMNS
+    assert cm.cell(cases, full, "gemma4", True) == "pass"
+    assert cm.cell(cases, half, "gemma4", True) == "**FAIL** 1/1"
+    assert cm.cell(cases, low, "gemma4", True) == "not run"
+    assert cm.cell(cases, slot, "gemma4", True) == "pass (loop fallback)"
+    assert cm.cell(cases, slot, "mixtral", False) == "skipped"
