@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moetier.config import (
-    Budget,
     DEFAULT_MAX_NUM_SEQS,
+    Budget,
     CacheConfig,
     EngineConfig,
     MemoryConfig,
