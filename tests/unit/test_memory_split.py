@@ -188,8 +188,15 @@ def test_hand_made_curve_picks_the_objective_maximum() -> None:
 def _write_trace(path: Path, steps: int) -> None:
     """Batch-1 decode: each MoE layer picks 2 of its first 7 experts (21 keys in all)."""
     rng = random.Random(0)
-    head = {"format": "moetier-trace", "version": 1, "num_layers": LAYERS,
-            "num_experts": EXPERTS, "top_k": TOP_K, "moe_layers": [0, 1, 2], "expert_bytes": 0}  # fmt: skip
+    head = {
+        "format": "moetier-trace",
+        "version": 1,
+        "num_layers": LAYERS,
+        "num_experts": EXPERTS,
+        "top_k": TOP_K,
+        "moe_layers": [0, 1, 2],
+        "expert_bytes": 0,
+    }
     lines = [json.dumps(head)]
     for step in range(steps):
         for layer in range(LAYERS):
