@@ -274,3 +274,13 @@ def test_metrics_export_the_split() -> None:
         'moetier:memory_split_info{model_name="m",split_reason="trace"} 1.0',
     ):
         assert line in text, text
+
+
+def test_share_of_the_device(ckpt: Path, weights: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = weights + reserve(1) + TOTAL * EXPERT_BYTES + 20 * BLOCK_BYTES
+    monkeypatch.setattr("moetier.engine.memory_split.device_total", lambda device: 4 * gpu)
+    llm = _llm(ckpt, gpu_memory="25%", max_num_seqs=1)
+    assert _split(llm) == (TOTAL, 20, "kv_request")
+    assert llm.offload_stats()["gpu_memory_bytes"] == gpu
+    with pytest.raises(ConfigError, match="more than the"):
+        _llm(ckpt, gpu_memory=4 * gpu + 1, max_num_seqs=1)
