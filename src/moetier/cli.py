@@ -15,7 +15,6 @@ from moetier.config import (
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
-    ROUTING_TRACE_HELP,
     format_bytes,
 )
 from moetier.demo.cli import add_demo_parsers
@@ -36,7 +35,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="device slots for routed experts: bytes ('6GiB') or a share ('25%%'); default: all",
     )
     p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP)
-    p.add_argument("--routing-trace", default=None, help=ROUTING_TRACE_HELP)
     p.add_argument(
         "--host-budget",
         default=None,
@@ -119,7 +117,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory=args.gpu_memory,
-        routing_trace=args.routing_trace,
+        # one prompt, one sequence: --gpu-memory gives the KV one full-length sequence and the
+        # experts the rest (the trace objective assumes a server keeping many running)
+        max_num_seqs=1,
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

@@ -18,7 +18,7 @@ import pytest
 from moetier import LLM
 from moetier.bench.belady import belady
 from moetier.bench.replay import load_trace, simulate
-from moetier.cli import build_parser
+from moetier.cli import build_parser, main
 from moetier.engine.memory_split import SplitRequest, choose_split, trace_curve
 from moetier.errors import BudgetError, ConfigError
 from moetier.metrics import ServerMetrics
@@ -152,10 +152,19 @@ def _req(remainder: int, max_num_seqs: int = 64, seqs_fixed: bool = False) -> Sp
     )  # fmt: skip
 
 
+def distinct(seqs: int) -> float:
+    """D(b): distinct experts a MoE layer needs in a step of b independent sequences."""
+    return EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** seqs)
+
+
 def tokens_per_s(seqs: int, hit: float) -> float:
     """The objective as the README writes it."""
-    distinct = EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** seqs)
-    return seqs / (LAYERS * distinct * EXPERT_BYTES * ((1 - hit) / 53e9 + 1 / 4e12))
+    return seqs / (LAYERS * distinct(seqs) * EXPERT_BYTES * ((1 - hit) / 53e9 + 1 / 4e12))
+
+
+def replayed(seqs: int, slots: int) -> int:
+    """The pool one sequence's share of `slots` is replayed at: S x k / D(b), all resident kept."""
+    return slots if slots >= TOTAL else max(1, int(slots * TOP_K / distinct(seqs)))
 
 
 # every expert resident at one sequence: 2, 4 and 8 sequences leave 21, 16 and 5 slots
@@ -165,28 +174,35 @@ CANDIDATES = [(1, 24, 16), (2, 21, 34), (4, 16, 64), (8, 5, 130)]  # (seqs, slot
 
 def test_hand_made_curve_picks_the_objective_maximum() -> None:
     asked: list[list[int]] = []
+    hits = {24: 1.0, 12: 0.999, 7: 0.99, 5: 0.9, 1: 0.0}  # by replayed slots
 
     def curve(slots: list[int]) -> dict[int, tuple[float, float]]:
         asked.append(slots)
-        hits = {24: 1.0, 21: 0.999, 18: 0.995, 16: 0.99, 5: 0.5}
         return {s: (hits[s], min(1.0, hits[s] + 0.001)) for s in slots}
 
     slots, blocks, reason, points = choose_split(_req(REMAINDER), curve=curve)
-    assert asked == [[24, 21, 16, 5]]
-    assert [(p.seqs, p.slots, p.kv_blocks) for p in points] == CANDIDATES
-    expected = [tokens_per_s(1, 1.0), tokens_per_s(2, 0.999), tokens_per_s(4, 0.99)]
-    assert [p.tokens_per_s for p in points[:3]] == pytest.approx(expected, rel=1e-12)
-    assert expected[1] > expected[0] > expected[2]  # 2 sequences at 99.9% beat 1 at 100%
+    assert [replayed(b, s) for b, s, _ in CANDIDATES] == [24, 12, 5, 1]
+    assert asked == [[24, 12, 5, 1]]
+    assert [(p.seqs, p.slots, p.kv_blocks, p.replayed_slots) for p in points] == [
+        (*c, r) for c, r in zip(CANDIDATES, [24, 12, 5, 1])
+    ]
+    expected = [tokens_per_s(b, hits[replayed(b, s)]) for b, s, _ in CANDIDATES]
+    assert [p.tokens_per_s for p in points] == pytest.approx(expected, rel=1e-12)
+    assert expected[1] > expected[0] > max(expected[2:])  # 2 sequences at 99.9% beat 1 at 100%
     assert (slots, blocks, reason) == (21, 34, "trace")
     # max_num_seqs 3: candidates 1, 2 and 3 sequences; set by the user, the curve is not asked
     _, _, _, few = choose_split(_req(REMAINDER, max_num_seqs=3), curve=curve)
-    assert [(p.seqs, p.slots, p.kv_blocks) for p in few] == [(1, 24, 16), (2, 21, 34), (3, 18, 52)]
+    assert [(p.seqs, p.slots, p.kv_blocks, p.replayed_slots) for p in few] == [
+        (1, 24, 16, 24),
+        (2, 21, 34, 12),
+        (3, 18, 52, 7),
+    ]
     fixed = choose_split(_req(REMAINDER, max_num_seqs=3, seqs_fixed=True), curve=curve)
     assert fixed == (18, 52, "kv_request", ()) and len(asked) == 2
 
 
 def _write_trace(path: Path, steps: int) -> None:
-    """Batch-1 decode: each MoE layer picks 2 of its first 7 experts (21 keys in all)."""
+    """Batch-1 decode: each MoE layer picks 2 of its first 4 experts (12 keys in all)."""
     rng = random.Random(0)
     head = {
         "format": "moetier-trace",
@@ -200,7 +216,7 @@ def _write_trace(path: Path, steps: int) -> None:
     lines = [json.dumps(head)]
     for step in range(steps):
         for layer in range(LAYERS):
-            experts = rng.sample(range(7), 2)
+            experts = rng.sample(range(4), 2)
             lines.append(json.dumps({"step": step, "layer": layer, "requests": [0],
                                      "experts": [experts]}))  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
@@ -214,26 +230,30 @@ def test_trace_split_is_the_objectives_choice(
     trace = load_trace(path)
     curve = []
     for seqs, slots, blocks in CANDIDATES:
+        share = replayed(seqs, slots)
         initial = (
-            [(la, e) for la in range(LAYERS) for e in range(EXPERTS)] if slots >= TOTAL else []
+            [(la, e) for la in range(LAYERS) for e in range(EXPERTS)] if share >= TOTAL else []
         )
-        hit = simulate(trace.records, slots, make_policy("lru"), initial).hit_rate
-        best = belady(trace.records, slots, initial=initial).hit_rate
-        curve.append((seqs, slots, blocks, hit, best, tokens_per_s(seqs, hit)))
-    chosen = max(curve, key=lambda c: (c[5], c[0]))
-    assert chosen[:3] == (2, 21, 34)  # the 21 keys fit in 21 slots: only first loads miss
+        hit = simulate(trace.records, share, make_policy("lru"), initial).hit_rate
+        best = belady(trace.records, share, initial=initial).hit_rate
+        curve.append((seqs, slots, blocks, share, hit, best, tokens_per_s(seqs, hit)))
+    chosen = max(curve, key=lambda c: (c[6], c[0]))
+    # the 12 keys fit in the 12 slots 2 sequences replay at: only first loads miss
+    assert chosen[:4] == (2, 21, 34, 12)
     gpu = weights + reserve(64) + REMAINDER
     with caplog.at_level("INFO", logger="moetier.engine.memory_split"):
         llm = _llm(ckpt, gpu_memory=gpu, routing_trace=path)
     assert _split(llm) == (21, 34, "trace")
     points = llm.engine.runner.memory_split.curve
-    assert [(p.seqs, p.slots, p.kv_blocks, p.hit_rate, p.belady) for p in points] == [
-        c[:5] for c in curve
-    ]
-    assert [p.tokens_per_s for p in points] == pytest.approx([c[5] for c in curve], rel=1e-12)
+    assert [
+        (p.seqs, p.slots, p.kv_blocks, p.replayed_slots, p.hit_rate, p.belady) for p in points
+    ] == [c[:6] for c in curve]
+    assert [p.tokens_per_s for p in points] == pytest.approx([c[6] for c in curve], rel=1e-12)
     logged = [r.getMessage() for r in caplog.records]
     assert sum("memory split candidate" in m for m in logged) == 4, logged
-    assert any("21 expert slots, 34 KV blocks" in m and "(chosen)" in m for m in logged)
+    assert any(
+        "21 expert slots, 34 KV blocks: replayed at 12" in m and "(chosen)" in m for m in logged
+    )
     assert any(m.startswith("memory split (trace)") for m in logged), logged
     # an explicit max_num_seqs fixes the KV request: the trace is not consulted for the split
     fixed = _llm(ckpt, gpu_memory=weights + reserve(2) + REMAINDER, routing_trace=path,
@@ -252,10 +272,21 @@ def test_trace_of_another_shape_and_trace_without_budget(tmp_path: Path) -> None
         LLM(str(tmp_path / "missing"), device="cpu", gpu_memory="2GiB", routing_trace="nope")
 
 
+def test_generate_sizes_the_kv_for_its_one_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_llm(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr("moetier.LLM", fake_llm)
+    assert main(["generate", "--gpu-memory", "24GiB"]) == 2
+    assert (seen["gpu_memory"], seen["max_num_seqs"]) == ("24GiB", 1)
+
+
 def test_flags_reach_the_engine() -> None:
     p = build_parser()
-    gen = p.parse_args(["generate", "--gpu-memory", "90%", "--routing-trace", "t.jsonl"])
-    assert (gen.gpu_memory, gen.routing_trace) == ("90%", "t.jsonl")
+    assert p.parse_args(["generate", "--gpu-memory", "90%"]).gpu_memory == "90%"
     args = _engine_args(p.parse_args(["serve", "--gpu-memory", "24GiB", "--routing-trace", "t"]))
     assert (args.gpu_memory, args.routing_trace, args.max_num_seqs) == ("24GiB", "t", None)
     assert _engine_args(p.parse_args(["serve", "--max-num-seqs", "8"])).max_num_seqs == 8

@@ -32,9 +32,11 @@ request (more blocks only mean more prefix-cache room and fewer preemptions).
       step_s    = L x D(b) x expert_bytes x ((1 - h) / LINK_BYTES_PER_S + 1 / HBM_BYTES_PER_S)
       D(b)      = E x (1 - (1 - k / E) ** b)   distinct experts a MoE layer needs in one step
 
-  with h the running policy's replayed hit rate at the candidate's slots (a batch-1 trace: the
-  hit rate of b concurrent sequences is taken as the trace's, a stated approximation), L MoE
-  layers of E experts, top-k k. Ties go to more sequences.
+  with L MoE layers of E experts, top-k k, and h the running policy's hit rate replayed on the
+  (batch-1) trace at S x k / D(b) slots for a candidate of S slots (S itself when every expert
+  is resident): b sequences insert D(b) / k times as many distinct experts a step as one does,
+  which stretches an LRU's reuse distances as much. An approximation, stated: it assumes the b
+  sequences route independently and the server keeps b running. Ties go to more sequences.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class CurvePoint:
     seqs: int  # full-length sequences the KV holds, at most max_num_seqs
     slots: int
     kv_blocks: int
-    hit_rate: float  # the running policy's, replayed
+    replayed_slots: int  # the pool one sequence's share is replayed at: slots x k / D(seqs)
+    hit_rate: float  # the running policy's, replayed at replayed_slots
     belady: float
     tokens_per_s: float
 
@@ -142,9 +145,7 @@ class MemorySplit:
 
 def decode_tokens_per_s(req: SplitRequest, seqs: int, hit_rate: float) -> float:
     """The trace objective (module doc): decode tokens/s at `seqs` running sequences."""
-    e, k = req.num_experts, req.top_k
-    distinct = e * (1 - (1 - k / e) ** seqs)
-    step_bytes = req.moe_layers * distinct * req.expert_bytes
+    step_bytes = req.moe_layers * distinct_experts(req, seqs) * req.expert_bytes
     step_s = step_bytes * ((1 - hit_rate) / LINK_BYTES_PER_S + 1 / HBM_BYTES_PER_S)
     return seqs / step_s
 
@@ -231,20 +232,38 @@ def _by_trace(req: SplitRequest, curve: CurveFn) -> tuple[int, int, str, tuple[C
     if not options:
         need = req.top_k * req.expert_bytes + req.seq_blocks * req.block_bytes
         raise _too_small(req, _kv_request_text(req, 1), need, _kv_fixes(req, 1))
-    rates = curve([slots for _, slots, _ in options])
+    shares = [replay_slots(req, seqs, slots) for seqs, slots, _ in options]
+    rates = curve(sorted(set(shares), reverse=True))
     points = tuple(
         CurvePoint(
             seqs,
             slots,
             blocks,
-            rates[slots][0],
-            rates[slots][1],
-            decode_tokens_per_s(req, seqs, rates[slots][0]),
+            share,
+            rates[share][0],
+            rates[share][1],
+            decode_tokens_per_s(req, seqs, rates[share][0]),
         )
-        for seqs, slots, blocks in options
+        for (seqs, slots, blocks), share in zip(options, shares)
     )
     best = max(points, key=lambda p: (p.tokens_per_s, p.seqs))
     return best.slots, best.kv_blocks, "trace", points
+
+
+def distinct_experts(req: SplitRequest, seqs: int) -> float:
+    """D(b): distinct experts one MoE layer needs in a step of b sequences routed independently."""
+    e, k = req.num_experts, req.top_k
+    return e * (1 - (1 - k / e) ** seqs)
+
+
+def replay_slots(req: SplitRequest, seqs: int, slots: int) -> int:
+    """The pool a batch-1 trace is replayed at to stand for `seqs` sequences sharing `slots`:
+    every expert resident stays so; otherwise slots x k / D(b) (at least 1), since b streams
+    insert D(b) / k times the distinct experts a step that one stream does, which stretches an
+    LRU's reuse distances as much (the batch-1 hit rate at b sequences would be optimistic)."""
+    if slots >= req.total_experts:
+        return slots
+    return max(1, int(slots * req.top_k / distinct_experts(req, seqs)))
 
 
 def _kv_request_text(req: SplitRequest, seqs: int) -> str:
@@ -414,11 +433,12 @@ def split_memory(
 def _log_split(split: MemorySplit, policy: str) -> None:
     for p in split.curve:
         log.info(
-            "memory split candidate: %d sequences, %d expert slots, %d KV blocks: hit rate %s "
-            "%.4f, belady %.4f, objective %.1f tokens/s%s",
+            "memory split candidate: %d sequences, %d expert slots, %d KV blocks: replayed at "
+            "%d slots, hit rate %s %.4f, belady %.4f, objective %.1f tokens/s%s",
             p.seqs,
             p.slots,
             p.kv_blocks,
+            p.replayed_slots,
             policy,
             p.hit_rate,
             p.belady,
