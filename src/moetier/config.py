@@ -66,7 +66,8 @@ def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
     if not match:
         raise ConfigError(
             f"{what}: cannot parse {budget!r}; write bytes ('6GiB', '512MB', '1073741824') or a "
-            f"fraction of routed-expert bytes ('25%')"
+            f"share ('25%': of routed-expert bytes for expert budgets, of the device for "
+            f"gpu_memory)"
         )
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
