@@ -4,7 +4,8 @@ blocks.
 Owns the split's arithmetic: the reserve rule, the KV request, explicit overrides, the trace
 objective and the "cannot fit" errors. It allocates nothing (offload/builder.py and
 engine/kv_cache.py build from the counts it returns) and reads a routing trace only through
-bench/replay.py (the same replay `moetier replay` runs).
+bench/replay.py and bench/belady.py (the replay `moetier replay` runs), imported when a trace is
+given: the one place the engine reaches into bench/.
 
 The rule (README, "One memory budget"):
 
