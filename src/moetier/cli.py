@@ -11,7 +11,12 @@ import sys
 import time
 
 from moetier.bench.cli import add_bench_parser
-from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, format_bytes
+from moetier.config import (
+    GPU_MEMORY_HELP,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    format_bytes,
+)
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import MoetierError
 from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
@@ -29,6 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="device slots for routed experts: bytes ('6GiB') or a share ('25%%'); default: all",
     )
+    p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP)
     p.add_argument(
         "--host-budget",
         default=None,
@@ -110,6 +116,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory=args.gpu_memory,
+        # one prompt, one sequence: --gpu-memory gives the KV one full-length sequence and the
+        # experts the rest (the trace objective assumes a server keeping many running)
+        max_num_seqs=1,
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

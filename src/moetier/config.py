@@ -66,7 +66,8 @@ def parse_budget(budget: Budget, total_bytes: int, what: str = "budget") -> int:
     if not match:
         raise ConfigError(
             f"{what}: cannot parse {budget!r}; write bytes ('6GiB', '512MB', '1073741824') or a "
-            f"fraction of routed-expert bytes ('25%')"
+            f"share ('25%': of routed-expert bytes for expert budgets, of the device for "
+            f"gpu_memory)"
         )
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
@@ -125,11 +126,46 @@ class OffloadConfig:
             raise ConfigError(f"prefetch must be a predictor name or None, got {self.prefetch!r}")
 
 
+# max_num_seqs when the user gives none (LLM, --max-num-seqs).
+DEFAULT_MAX_NUM_SEQS = 64
+GPU_MEMORY_HELP = (
+    "one device-memory budget for non-expert weights, a reserve, expert slots and KV blocks: "
+    "bytes ('24GiB') or a share of the device ('90%%'; on the CPU: of the host's RAM); the "
+    "split is logged at start-up (README: One memory budget)"
+)
+ROUTING_TRACE_HELP = (
+    "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "
+    "split between expert slots and KV blocks follows its replayed hit-rate curve"
+)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """One device-memory budget split between expert slots and KV blocks
+    (engine/memory_split.py)."""
+
+    gpu_memory: Budget = None  # None: separate budgets (expert_budget, num_kv_blocks)
+    routing_trace: str | None = None  # a moetier-trace file whose hit-rate curve sizes the split
+    # True when the user set max_num_seqs: the KV then holds max_num_seqs full-length sequences.
+    # False (LLM without max_num_seqs): with a routing trace, the split may hold fewer when the
+    # expert slots they would cost are worth more.
+    seqs_fixed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.routing_trace is not None and self.gpu_memory is None:
+            raise ConfigError(
+                "routing_trace (--routing-trace) sizes the split of gpu_memory (--gpu-memory); "
+                "set gpu_memory too, or leave the trace out"
+            )
+        if self.gpu_memory is not None:
+            parse_budget(self.gpu_memory, 0, "gpu_memory")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How many sequences and tokens one engine step may hold."""
 
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 4096
 
     def __post_init__(self) -> None:
@@ -188,6 +224,7 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     progress: bool = True
     # MoE fast path: a step with more (token, expert) pairs than the slot kernel takes (prefill,
     # large batches) is computed by the grouped kernel (kernels/grouped_ffn.py), reading the

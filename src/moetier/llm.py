@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moetier.config import (
+    DEFAULT_MAX_NUM_SEQS,
     Budget,
     CacheConfig,
     EngineConfig,
+    MemoryConfig,
     OffloadConfig,
     SchedulerConfig,
     parse_budget,
@@ -95,7 +97,7 @@ class LLM:
         dtype: str = "auto",
         seed: int = 0,
         policy: str = "lru",
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int = 4096,
         progress: bool = True,
         moe_grouped_kernel: bool | None = None,
@@ -113,9 +115,20 @@ class LLM:
         late_reads: bool = True,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        gpu_memory: Budget = None,
+        routing_trace: str | Path | None = None,
     ) -> None:
+        """`gpu_memory`: one device budget ("24GiB", "90%") split between non-expert weights, a
+        reserve, expert slots and KV blocks (engine/memory_split.py); `routing_trace`: a
+        moetier-trace file whose replayed hit rates size that split when `max_num_seqs` is
+        not given (None = 64 sequences, and the split may hold fewer)."""
         # Every setting is checked before any work (the demo build, the checkpoint load).
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
+        scheduler = SchedulerConfig(seqs, max_num_batched_tokens)
+        trace = None if routing_trace is None else str(routing_trace)
+        memory = MemoryConfig(gpu_memory, trace, seqs_fixed=max_num_seqs is not None)
+        if trace is not None and not Path(trace).is_file():
+            raise ConfigError(f"routing trace {trace}: no such file")
         cache = CacheConfig(
             kv_block_size,
             num_kv_blocks,
@@ -146,6 +159,7 @@ class LLM:
             offload=offload,
             scheduler=scheduler,
             cache=cache,
+            memory=memory,
             progress=progress,
             moe_grouped_kernel=moe_grouped_kernel,
             moe_stream_share=moe_stream_share,
@@ -287,7 +301,8 @@ class LLM:
     def offload_stats(self) -> dict[str, Any]:
         """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time), of the
         KV prefix cache (tokens looked up and reused at admission) and the KV cache's effective
-        storage format (`kv_cache_dtype`, a name; the rest are numbers)."""
+        storage format (`kv_cache_dtype`, a name), and the memory split (`gpu_memory_bytes`,
+        `split_expert_bytes`, `split_kv_bytes`, `split_reason`, a name); the rest are numbers."""
         stats: dict[str, Any] = dict(self.engine.runner.stats.to_dict())
         kv = self.engine.runner.kv_cache
         plan = self.engine.runner.tier_plan
@@ -303,5 +318,6 @@ class LLM:
             kv_bytes_per_token=kv.bytes_per_token,
             kv_cache_bytes=kv.bytes(),
             kv_blocks_total=kv.blocks.num_blocks,
+            **self.engine.runner.memory_split.stats(),
         )
         return stats

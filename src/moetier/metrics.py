@@ -148,6 +148,18 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "Bytes of the KV cache pools (allocated at start)",
     ),
     "device_slots": ("moetier:expert_device_slots", "Device expert slots in the pool"),
+    "gpu_memory_bytes": (
+        "moetier:gpu_memory_bytes",
+        "The --gpu-memory budget split between weights, reserve, expert slots and KV (0: none)",
+    ),
+    "split_expert_bytes": (
+        "moetier:memory_split_expert_bytes",
+        "Bytes of the device expert slots the memory split chose (slots x slot bytes)",
+    ),
+    "split_kv_bytes": (
+        "moetier:memory_split_kv_bytes",
+        "Bytes of the KV blocks the memory split chose (blocks x block bytes)",
+    ),
 }
 
 
@@ -183,7 +195,7 @@ class _SnapshotCollector(Collector):
 class ServerMetrics:
     """Request latencies observed by the server, plus the engine's latest counter snapshot."""
 
-    def __init__(self, model_name: str, kv_cache_dtype: str = "") -> None:
+    def __init__(self, model_name: str, kv_cache_dtype: str = "", split_reason: str = "") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -196,6 +208,15 @@ class ServerMetrics:
                 registry=self.registry,
             )
             info.labels(model_name, kv_cache_dtype).set(1)
+        if split_reason:
+            split = Gauge(
+                "moetier:memory_split_info",
+                "Why the memory split is what it is (split_reason: no_gpu_memory, explicit, "
+                "expert_budget, num_kv_blocks, kv_request, trace)",
+                ["model_name", "split_reason"],
+                registry=self.registry,
+            )
+            split.labels(model_name, split_reason).set(1)
         self.ttft = Histogram(
             "moetier:time_to_first_token_seconds",
             "Time from request arrival to its first token",

@@ -72,6 +72,9 @@ def test_sampling_params_refuse(kw: dict[str, Any], phrase: str) -> None:
         ({"host_budget": "-5"}, "host budget: cannot parse '-5'"),
         ({"host_budget": True}, "host budget: expected bytes"),
         ({"policy": "nope"}, "unknown expert-cache policy 'nope'; choose one of"),
+        ({"gpu_memory": "lots"}, "gpu_memory: cannot parse 'lots'"),
+        ({"gpu_memory": 0.9}, "gpu_memory: ambiguous float"),
+        ({"routing_trace": "t.jsonl"}, "set gpu_memory too"),
     ],
 )
 def test_llm_settings_refused_before_load(tmp_path: Path, kw: dict[str, Any], phrase: str) -> None:

@@ -147,3 +147,24 @@ def test_prefetch_counters_match_the_engine(serve: Callable[..., LiveServer]) ->
     assert [s.value for s in wasted if s.name.endswith("_total")] == [
         float(stats["prefetch_wasted_bytes"])
     ]
+
+
+def test_memory_split_gauges_of_a_gpu_memory_server(serve: Callable[..., LiveServer]) -> None:
+    """--gpu-memory through `moetier serve`: the split's gauges and its reason at start-up."""
+    server = serve("--gpu-memory", "1100MiB", "--max-model-len", "128")
+    server.health()
+    fams = _families(server)
+
+    def value(name: str, **labels: str) -> float:
+        (sample,) = [s for s in fams[name].samples if labels.items() <= s.labels.items()]
+        return sample.value
+
+    assert value("moetier:gpu_memory_bytes") == 1100 << 20
+    slots = value("moetier:expert_device_slots")
+    assert value("moetier:memory_split_expert_bytes") == slots * 73728  # every expert, fp32
+    blocks, per_token = (
+        value("moetier:kv_cache_blocks_total"),
+        value("moetier:kv_cache_bytes_per_token"),
+    )
+    assert value("moetier:memory_split_kv_bytes") == blocks * 16 * per_token
+    assert value("moetier:memory_split_info", split_reason="kv_request") == 1.0

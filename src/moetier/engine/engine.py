@@ -249,6 +249,9 @@ class Engine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             device_slots=self.runner.tier_plan.device_slots,
         )
+        split = self.runner.memory_split.stats()
+        split.pop("split_reason")  # a name: the server exports it at start-up (memory_split_info)
+        out.update(split)
         return out
 
     def check_integrity(self) -> None:

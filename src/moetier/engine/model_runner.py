@@ -6,16 +6,18 @@ Owns the model, the KV cache and the expert tiers; knows nothing of scheduling p
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moetier.config import EngineConfig
+from moetier.config import CacheConfig, EngineConfig, OffloadConfig
 from moetier.device_memory import allocate
 from moetier.engine.batch import SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
-from moetier.engine.kv_cache import build_kv_cache
+from moetier.engine.kv_cache import build_kv_cache, kv_bytes_per_token, kv_layout, resolve_kv_format
+from moetier.engine.memory_split import MemorySplit, placed_bytes, split_memory
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.kernels.grouped_ffn import SLOT_KERNEL_MAX_PAIRS
@@ -140,11 +142,15 @@ class ModelRunner:
             lambda: _non_expert_bytes(family, self.hf_config, self.dtype),
             lambda _: _NON_EXPERT_FIX,
         )
+        self.max_model_len = config.cache.max_model_len or int(
+            getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        )
+        offload_cfg, cache_cfg, split = self._split_memory(config, layout)
         self.stats = OffloadStats()
         self.expert_cache: ExpertCache
         self.tier_plan: TierPlan
         self.expert_cache, self.tier_plan = build_tiers(
-            layout, config.offload, self.device, self.dtype, self.top_k, self.stats, config.progress
+            layout, offload_cfg, self.device, self.dtype, self.top_k, self.stats, config.progress
         )
         kernels = self.device.type == "cuda" and triton_available()
         grouped = config.moe_grouped_kernel
@@ -177,21 +183,51 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.fused = fused
-        self.max_model_len = config.cache.max_model_len or int(
-            getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        )
         self.kv_cache = build_kv_cache(
-            config.cache,
+            cache_cfg,
             config.scheduler.max_num_seqs,
             self.max_model_len,
             self.model,
             self.device,
             self.dtype,
         )
+        self.memory_split = split or MemorySplit(
+            0,
+            placed_bytes(self.model),
+            0,
+            self.tier_plan.device_slots,
+            self.tier_plan.expert_bytes,
+            self.kv_cache.blocks.num_blocks,
+            self.kv_cache.blocks.block_size * self.kv_cache.bytes_per_token,
+            "no_gpu_memory",
+        )
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
             self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
+
+    def _split_memory(
+        self, config: EngineConfig, layout: ExpertLayout
+    ) -> tuple[OffloadConfig, CacheConfig, MemorySplit | None]:
+        """With gpu_memory: the slot budget and KV block count its split gives (as explicit
+        settings of the builders); without: the settings as they are."""
+        if config.memory.gpu_memory is None:
+            return config.offload, config.cache, None
+        fmt = resolve_kv_format(config.cache.kv_cache_dtype, self.dtype, self.device)
+        split = split_memory(
+            config,
+            self.model,
+            layout,
+            self.hf_config,
+            self.device,
+            self.dtype,
+            self.top_k,
+            self.max_model_len,
+            kv_bytes_per_token(kv_layout(self.model), fmt),
+            fmt.name,
+        )
+        offload = replace(config.offload, expert_budget=split.expert_side)
+        return offload, replace(config.cache, num_blocks=split.kv_blocks), split
 
     def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
         """Next-layer prefetch on the MoE miss path; off when every expert is resident (the

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from moetier.config import OffloadConfig, format_bytes, parse_budget
+from moetier.config import Budget, OffloadConfig, format_bytes, parse_budget
 from moetier.device_memory import allocate
 from moetier.errors import BudgetError
 from moetier.offload.expert_cache import ExpertCache
@@ -38,24 +38,36 @@ class TierPlan:
         return self.expert_bytes * self.total_experts
 
 
-def plan_tiers(
-    layout: ExpertLayout, cfg: OffloadConfig, dtype: torch.dtype, top_k: int, device: torch.device
-) -> TierPlan:
-    expert_bytes = layout.shape.numel * torch.empty(0, dtype=dtype).element_size()
-    total = len(layout.layers) * layout.num_experts
+def expert_slot_bytes(layout: ExpertLayout, dtype: torch.dtype) -> int:
+    """Bytes of one device slot: one packed expert in the compute dtype."""
+    return layout.shape.numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def budget_slots(budget: Budget, expert_bytes: int, total: int, top_k: int) -> int:
+    """Device slots an expert budget buys (at most every expert); fewer than top-k is an error."""
     routed = expert_bytes * total
-    slots = min(parse_budget(cfg.expert_budget, routed, "expert budget") // expert_bytes, total)
+    slots = min(parse_budget(budget, routed, "expert budget") // expert_bytes, total)
     if slots < top_k:
         raise BudgetError(
-            f"expert budget {cfg.expert_budget!r} gives {slots} expert slot(s) of "
+            f"expert budget {budget!r} gives {slots} expert slot(s) of "
             f"{format_bytes(expert_bytes)}; one step needs at least top-k = {top_k} slots "
             f"({format_bytes(top_k * expert_bytes)}, {100 * top_k / total:.2f}% of routed-expert "
             f"bytes). Raise --expert-budget to at least that."
         )
+    return int(slots)
+
+
+def plan_tiers(
+    layout: ExpertLayout, cfg: OffloadConfig, dtype: torch.dtype, top_k: int, device: torch.device
+) -> TierPlan:
+    expert_bytes = expert_slot_bytes(layout, dtype)
+    total = len(layout.layers) * layout.num_experts
+    routed = expert_bytes * total
+    slots = budget_slots(cfg.expert_budget, expert_bytes, total, top_k)
     host_default = None if device.type == "cuda" else 0
     host_budget = cfg.host_budget if cfg.host_budget is not None else host_default
     host_rows = min(parse_budget(host_budget, routed, "host budget") // expert_bytes, total)
-    return TierPlan(expert_bytes, total, int(slots), int(host_rows))
+    return TierPlan(expert_bytes, total, slots, int(host_rows))
 
 
 def build_tiers(

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from moetier.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    GPU_MEMORY_HELP,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    ROUTING_TRACE_HELP,
+)
 from moetier.errors import ConfigError
 from moetier.threads import THREADS_HELP, threads_arg
 from moetier.tools.parsers import TOOL_PARSERS
@@ -44,6 +50,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--expert-budget", default=None, help="device slots for routed experts")
     p.add_argument("--host-budget", default=None, help="host RAM for routed experts")
+    p.add_argument("--gpu-memory", default=None, help=GPU_MEMORY_HELP)
+    p.add_argument("--routing-trace", default=None, help=ROUTING_TRACE_HELP)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument(
@@ -60,7 +68,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(_PUBLIC_FLAG, action="store_true",
                    help="allow a non-loopback bind with no API key")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="model id clients send")
-    p.add_argument("--max-num-seqs", type=_positive, default=64, help="running batch size")
+    p.add_argument("--max-num-seqs", type=_positive, default=None,
+                   help=f"running batch size (default {DEFAULT_MAX_NUM_SEQS}; unset, "
+                   "--gpu-memory with --routing-trace may size the KV for fewer)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=_positive, default=4096)
     p.add_argument("--max-waiting", type=_non_negative, default=256,
                    help="queued requests beyond the batch before 429")  # fmt: skip
@@ -190,6 +200,8 @@ def _engine_args(args: argparse.Namespace) -> Any:
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory=args.gpu_memory,
+        routing_trace=args.routing_trace,
     )
 
 
@@ -210,12 +222,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or (
             Path(info["model"]).name if args.model else "moetier-demo"
         )
-        metrics = ServerMetrics(name, kv_cache_dtype=str(info.get("kv_cache_dtype", "")))
+        metrics = ServerMetrics(
+            name,
+            kv_cache_dtype=str(info.get("kv_cache_dtype", "")),
+            split_reason=str(info.get("split_reason", "")),
+        )
         client.on_stats = metrics.update_engine
         settings = ServerSettings(
             name,
             api_key,
-            args.max_num_seqs,
+            int(info.get("max_num_seqs", args.max_num_seqs or DEFAULT_MAX_NUM_SEQS)),
             args.max_waiting,
             args.max_body_bytes,
             args.tool_call_parser,

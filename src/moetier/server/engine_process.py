@@ -42,7 +42,7 @@ class EngineArgs:
     prefetch: str | None = None
     prefetch_ahead: int = 1
     seed: int = 0
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: the default, and the memory split may hold fewer
     max_num_batched_tokens: int = 4096
     num_kv_blocks: int | None = None
     kv_block_size: int = 16
@@ -50,6 +50,8 @@ class EngineArgs:
     threads: int | None = None  # torch CPU threads; None = auto (threads.py)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    gpu_memory: str | None = None
+    routing_trace: str | None = None
 
 
 @dataclass
@@ -119,6 +121,8 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             threads=args.threads,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            gpu_memory=args.gpu_memory,
+            routing_trace=args.routing_trace,
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which exits
         out_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -130,6 +134,8 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
         "vocab_size": eng.vocab_size,
         "kv_tokens": eng.blocks.num_blocks * eng.blocks.block_size,
         "kv_cache_dtype": eng.runner.kv_cache.format.name,
+        "split_reason": eng.runner.memory_split.reason,
+        "max_num_seqs": llm.config.scheduler.max_num_seqs,
     }
     out_q.put(("ready", info))
     _serve(eng, cmd_q, out_q)
