@@ -13,33 +13,16 @@ from typing import Any
 from torch import nn
 
 from moetier.layers.attention import Attention
-from moetier.layers.deepseek_router import DeepseekRouter
 from moetier.layers.mlp import GatedMLP
 from moetier.layers.moe import moe_config
 from moetier.models.base import CausalLM, DecoderLayer
-from moetier.models.deepseek import DeepseekMoE
+from moetier.models.deepseek import DeepseekMoE, v3_router
 from moetier.models.registry import Family, register
 
 
 def is_moe_layer(config: Any, i: int) -> bool:
     """HF's rule: the first `first_k_dense_replace` layers are dense, every later one sparse."""
     return i >= int(config.first_k_dense_replace or 0)
-
-
-def make_router(config: Any) -> DeepseekRouter:
-    num_experts, top_k, _ = moe_config(config)
-    # Glm4MoeTopkRouter is DeepseekV3TopkRouter: always sigmoid + bias-corrected group top-k.
-    return DeepseekRouter(
-        config.hidden_size,
-        num_experts,
-        top_k,
-        "sigmoid",
-        "noaux_tc",
-        config.n_group or 1,
-        config.topk_group or 1,
-        normalize=bool(config.norm_topk_prob),
-        scaling=config.routed_scaling_factor,
-    )
 
 
 def build(config: Any) -> CausalLM:
@@ -54,7 +37,9 @@ def build(config: Any) -> CausalLM:
         attn = Attention(config, i, bias=bias, qk_norm=qk_norm, partial_rotary=True)
         mlp: nn.Module
         if is_moe_layer(config, i):
-            mlp = DeepseekMoE(i, make_router(config), act, d, shared_inter)
+            mlp = DeepseekMoE(
+                i, v3_router(config), act, d, shared_inter
+            )  # Glm4MoeTopkRouter is V3's
         else:
             mlp = GatedMLP(d, config.intermediate_size, act)
         layers.append(DecoderLayer(config, attn, mlp))
