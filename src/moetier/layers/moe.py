@@ -185,19 +185,19 @@ class MoEBlock(nn.Module):
         kernel (`kernel`: its pairs of other waves skipped, adds continuing in ascending expert
         order across waves) or by the per-expert loop."""
         k = ids.shape[1]
-        order = torch.argsort(flat, stable=True)  # token-major slots grouped by expert
         counts = torch.bincount(flat, minlength=1).tolist()
         experts = [e for e, c in enumerate(counts) if c]
         provider.count_routed(flat.numel(), len(experts))
-        offsets = [0]
-        for e in range(len(counts)):
-            offsets.append(offsets[-1] + counts[e])
-        order_dev = order.to(x.device, non_blocking=True)
-        tokens, kpos = order_dev // k, order_dev % k
         out = torch.zeros_like(x)
-        if kernel:
+        if kernel:  # slots per wave from a lookup on the device; the loop's indexes not needed
             sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
             sorted_weights = weights.gather(1, by_expert)
+        else:  # pairs grouped by expert: each expert's token rows and routing positions
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + c)
+            order = torch.argsort(flat, stable=True).to(x.device, non_blocking=True)
+            tokens, kpos = order // k, order % k
         routing = (  # the call's routing goes with its first wave only
             [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
             if provider.wants_routing
