@@ -58,7 +58,7 @@ class HeldReads:
 def _cache(layout: ExpertLayout, slots: int = 4, late: bool = True) -> ExpertCache:  # noqa: F811
     stats = OffloadStats()
     host = HostTier(layout, 0, torch.float32, False, stats, progress=False)
-    return ExpertCache(host, layout.shape, slots, CPU, torch.float32, stats, late_reads=late)
+    return ExpertCache(host, slots, CPU, stats, late_reads=late)
 
 
 def test_fetch_returns_before_its_misses_are_read(layout: ExpertLayout) -> None:  # noqa: F811
@@ -142,5 +142,5 @@ def test_off_switch_and_other_tiers_read_before_fetch_returns(layout: ExpertLayo
     cache.release(batch)
     stats = OffloadStats()
     host = HostTier(layout, 4, torch.float32, False, stats, progress=False)  # a host tier
-    cache = ExpertCache(host, layout.shape, 4, CPU, torch.float32, stats, late_reads=True)
+    cache = ExpertCache(host, 4, CPU, stats, late_reads=True)
     assert not cache.late_reads

@@ -96,7 +96,7 @@ def test_engine_device_tier_matches_the_replay(layout: ExpertLayout, name: str) 
     calls = _calls(7)
     stats = OffloadStats()
     host = HostTier(layout, 0, torch.float32, False, stats, progress=False)
-    cache = ExpertCache(host, layout.shape, 3, torch.device("cpu"), torch.float32, stats, name)
+    cache = ExpertCache(host, 3, torch.device("cpu"), stats, name)
     evicted = []
     victim = cache.policy.victim
 

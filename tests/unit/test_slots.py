@@ -73,9 +73,7 @@ def _cache(
 ) -> ExpertCache:
     stats = OffloadStats()
     host = HostTier(layout, host_rows, torch.float32, False, stats, progress=False)
-    return ExpertCache(
-        host, layout.shape, slots, CPU, torch.float32, stats, copier=copier, io_threads=io_threads
-    )
+    return ExpertCache(host, slots, CPU, stats, copier=copier, io_threads=io_threads)
 
 
 def _spy_victims(cache: ExpertCache) -> list[ExpertKey]:

@@ -34,7 +34,7 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> ExpertLayout:
 def _cache(layout: ExpertLayout, slots: int, host_rows: int) -> ExpertCache:
     stats = OffloadStats()
     host = HostTier(layout, host_rows, torch.float32, False, stats, progress=False)
-    return ExpertCache(host, layout.shape, slots, CPU, torch.float32, stats)
+    return ExpertCache(host, slots, CPU, stats)
 
 
 def test_packed_expert_matches_checkpoint(layout: ExpertLayout) -> None:

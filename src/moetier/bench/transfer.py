@@ -44,7 +44,7 @@ def measure_shape(name: str, experts: int = 32, slots: int = 4) -> dict[str, Any
         layout = _synthetic(Path(tmp), hidden, inter, experts)
         stats = OffloadStats()
         host = HostTier(layout, experts, torch.bfloat16, True, stats, progress=False)
-        cache = ExpertCache(host, layout.shape, slots, device, torch.bfloat16, stats)
+        cache = ExpertCache(host, slots, device, stats)
         nbytes = layout.shape.numel * 2
         copy_ms, miss_ms, issue_ms = [], [], []
         for i in range(experts * 3):

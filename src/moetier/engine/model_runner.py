@@ -32,6 +32,7 @@ from moetier.offload.prefetcher import Prefetcher, build_predictor
 from moetier.offload.stats import OffloadStats
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
+from moetier.weights.formats import fp8_block
 from moetier.weights.loader import build_model
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,10 @@ class ModelRunner:
         self.num_experts, self.top_k, _ = moe_config(self.hf_config)
         self.checkpoint = Checkpoint(self.model_dir)
         layout = ExpertLayout(
-            self.checkpoint, family.expert_prefixes(self.hf_config), self.num_experts
+            self.checkpoint,
+            family.expert_prefixes(self.hf_config),
+            self.num_experts,
+            fp8_block=fp8_block(self.hf_config),
         )
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.model = allocate(
@@ -164,6 +168,11 @@ class ModelRunner:
             stream = 0.9 if self.device.type == "cuda" else 0.0
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
+        if self.expert_cache.packing.compressed:
+            # The expert kernels read dense slots; compressed experts are decoded per expert
+            # where the per-expert loop computes them.
+            log.info("experts stored as %s: per-expert loop", self.expert_cache.packing.name)
+            grouped, slot_kernel = False, 0
         blocks = self.model.moe_blocks()
         for i, block in enumerate(blocks):
             block.provider = self.expert_cache

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TierPlan:
-    """Sizes decided from the budgets (bytes are in the compute dtype)."""
+    """Sizes decided from the budgets (bytes of packed experts as stored: weights/formats.py)."""
 
     expert_bytes: int
     total_experts: int
@@ -39,8 +39,9 @@ class TierPlan:
 
 
 def expert_slot_bytes(layout: ExpertLayout, dtype: torch.dtype) -> int:
-    """Bytes of one device slot: one packed expert in the compute dtype."""
-    return layout.shape.numel * torch.empty(0, dtype=dtype).element_size()
+    """Bytes of one device slot: one packed expert as stored (dense: in the compute dtype;
+    compressed: its encoded bytes, weights/formats.py)."""
+    return layout.packing(dtype).nbytes
 
 
 def budget_slots(budget: Budget, expert_bytes: int, total: int, top_k: int) -> int:
@@ -86,10 +87,8 @@ def build_tiers(
     def place() -> ExpertCache:
         cache = ExpertCache(
             host,
-            layout.shape,
             plan.device_slots,
             device,
-            dtype,
             stats,
             cfg.policy,
             chunk_bytes=cfg.transfer_chunk_bytes,

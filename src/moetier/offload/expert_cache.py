@@ -44,7 +44,6 @@ from moetier.offload.transfer import (
     TransferEngine,
 )
 from moetier.offload.types import ExpertBatch, ExpertKey
-from moetier.weights.experts import ExpertShape
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,8 @@ class ExpertCache:
     def __init__(
         self,
         host: HostTier,
-        shape: ExpertShape,
         num_slots: int,
         device: torch.device,
-        dtype: torch.dtype,
         stats: OffloadStats,
         policy: str = "lru",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -83,12 +80,15 @@ class ExpertCache:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
         pumped on every cache call, one prefetch chunk in flight)."""
         self.host = host
-        self.shape = shape
+        self.packing = host.packing  # slots hold experts as the host rows do (formats.py)
+        self.shape = self.packing.shape
         self.device = device
         self.stats = stats
         self.num_slots = num_slots
-        self.slots = torch.empty(num_slots, shape.numel, dtype=dtype, device=device)
-        self.expert_bytes = shape.numel * self.slots.element_size()
+        self.slots = torch.empty(
+            num_slots, self.packing.numel, dtype=self.packing.storage_dtype, device=device
+        )
+        self.expert_bytes = self.packing.nbytes
         self.table = SlotTable(num_slots)
         self.policy = make_policy(policy)
         self.wants_routing = self.policy.wants_routing
@@ -216,7 +216,8 @@ class ExpertCache:
             self.stats.miss_host_s += time.perf_counter() - start
         self._wait_ready(wave, start, late)
         waiter = (lambda slot: finish_late(self, slot)) if late else None
-        return ExpertBatch(layer, experts, wave.slots, self.slots, self.shape.split, late, waiter)
+        split = self.packing.splitter(layer)
+        return ExpertBatch(layer, experts, wave.slots, self.slots, split, late, waiter)
 
     def end_request(self, request_id: int) -> None:
         """The engine is done with `request_id` (finished, aborted or failed): tell the policy."""

@@ -109,19 +109,22 @@ class HostTier:
         self,
         layout: ExpertLayout,
         capacity: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype,  # the compute dtype
         pin: bool,
         stats: OffloadStats,
         progress: bool = True,
     ) -> None:
         self.layout = layout
         self.stats = stats
-        self.numel = layout.shape.numel
+        self.packing = layout.packing(dtype)  # rows hold experts as stored (formats.py)
+        self.numel = self.packing.numel
         self.total = len(layout.layers) * layout.num_experts
         self.capacity = min(capacity, self.total)
         # With no host capacity, two staging rows let a read overlap the previous copy.
         rows = self.capacity if self.capacity > 0 else 2
-        self.pool, self.pinned_bytes = alloc_host_rows(rows, self.numel, dtype, pin)
+        self.pool, self.pinned_bytes = alloc_host_rows(
+            rows, self.numel, self.packing.storage_dtype, pin
+        )
         self.index: dict[ExpertKey, int] = {}
         self.key_at: dict[int, ExpertKey] = {}
         self.policy = make_policy("lru")

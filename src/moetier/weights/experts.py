@@ -1,10 +1,12 @@
 """Locates routed-expert tensors in a checkpoint (per-expert or fused layout) and packs them.
 
-An expert is packed into one flat buffer: gate_up [2I, D] (gate rows, then up rows) followed by
-down [D, I], so one copy moves it between tiers. Three checkpoint layouts, each read by offset:
-per-expert `experts.{e}.gate_proj/up_proj/down_proj` (or w1/w3/w2), fused `experts.gate_up_proj`
+An expert is packed into one flat buffer (weights/formats.py), so one copy moves it between
+tiers. Three checkpoint layouts, each read by offset: per-expert
+`experts.{e}.gate_proj/up_proj/down_proj` (or w1/w3/w2), fused `experts.gate_up_proj`
 [E, 2I, D] + `experts.down_proj` [E, D, I], and fused transposed (Llama 4) [E, D, 2I] +
-[E, I, D], whose rows are transposed while packing. Owns no caching and no device placement.
+[E, I, D], whose rows are transposed while packing. Per-expert FP8 tensors (F8_E4M3 with a
+`weight_scale_inv` per 128x128 block) are packed as stored and decoded where computed. Owns no
+caching and no device placement.
 """
 
 from __future__ import annotations
@@ -15,26 +17,19 @@ import torch
 
 from moetier.errors import CheckpointError
 from moetier.weights.checkpoint import Checkpoint
+from moetier.weights.formats import (
+    ExpertFormat,
+    ExpertPacking,
+    ExpertShape,
+    Fp8BlockCodec,
+    MatrixCodec,
+)
+
+__all__ = ["ExpertLayout", "ExpertShape"]
 
 # Per-expert tensor names (gate, up, down) used by the supported families.
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """Geometry of one routed expert: D hidden, I intermediate."""
-
-    hidden: int
-    intermediate: int
-
-    @property
-    def numel(self) -> int:
-        return 3 * self.hidden * self.intermediate
-
-    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (gate_up [2I, D], down [D, I]) of a packed expert buffer."""
-        d, i = self.hidden, self.intermediate
-        return flat[: 2 * i * d].view(2 * i, d), flat[2 * i * d :].view(d, i)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -42,6 +37,7 @@ class _LayerSource:
     fused: bool
     names: tuple[str, ...]  # per-expert name templates with {e}, or (gate_up, down) fused names
     transposed: bool = False  # fused as [E, D, 2I] + [E, I, D] (the matmul's right operands)
+    fp8: Fp8BlockCodec | None = None  # per-expert FP8 with block scales (`{name}_scale_inv`)
 
 
 def _fused_transposed(gate_up: tuple[int, ...], down: tuple[int, ...]) -> bool | None:
@@ -58,11 +54,19 @@ def _fused_transposed(gate_up: tuple[int, ...], down: tuple[int, ...]) -> bool |
 class ExpertLayout:
     """Finds each MoE layer's routed experts in the checkpoint and reads one expert by offset."""
 
-    def __init__(self, ckpt: Checkpoint, prefixes: dict[int, list[str]], num_experts: int) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        prefixes: dict[int, list[str]],
+        num_experts: int,
+        fp8_block: tuple[int, int] = (128, 128),
+    ) -> None:
         """`prefixes` maps an MoE layer index to candidate module prefixes, e.g.
-        ["model.layers.3.block_sparse_moe", "model.layers.3.mlp"]."""
+        ["model.layers.3.block_sparse_moe", "model.layers.3.mlp"]; `fp8_block` is the FP8
+        scale block ([rows, cols], the config's `quantization_config.weight_block_size`)."""
         self.ckpt = ckpt
         self.num_experts = num_experts
+        self.fp8_block = fp8_block
         self.sources: dict[int, _LayerSource] = {
             layer: self._find(layer, cands) for layer, cands in prefixes.items()
         }
@@ -74,16 +78,47 @@ class ExpertLayout:
             for gate_up in (f"{base}.gate_up_proj", f"{base}.gate_up_proj.weight"):
                 down = gate_up.replace("gate_up_proj", "down_proj")
                 if gate_up in self.ckpt and down in self.ckpt:
+                    self._check_float(gate_up, down)
                     return _LayerSource(True, (gate_up, down), self._transposed(gate_up, down))
             for g, u, d in _PER_EXPERT_NAMES:
                 names = tuple(f"{base}.{{e}}.{n}.weight" for n in (g, u, d))
                 if names[0].format(e=0) in self.ckpt:
                     self._check_all_experts(layer, names)
-                    return _LayerSource(False, names)
+                    return _LayerSource(False, names, fp8=self._fp8(names))
         raise CheckpointError(
             f"{self.ckpt.model_dir}: no routed-expert tensors for MoE layer {layer} (looked for "
             f"{candidates[0]}.experts.0.gate_proj.weight and {candidates[0]}.experts.gate_up_proj)"
         )
+
+    def _check_float(self, *names: str) -> None:
+        for n in names:
+            dtype = self.ckpt.info(n).dtype
+            if dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{self.ckpt.model_dir}: expert tensor {n} is stored as {dtype}; fused "
+                    f"experts are read in float32, bfloat16 or float16 only"
+                )
+
+    def _fp8(self, names: tuple[str, ...]) -> Fp8BlockCodec | None:
+        """The FP8 codec when the per-expert tensors are F8_E4M3 with block scales; None when
+        they are float; an error for any other storage."""
+        dtypes = {self.ckpt.info(n.format(e=0)).dtype for n in names}
+        if dtypes <= set(_FLOAT_DTYPES):
+            return None
+        if dtypes != {torch.float8_e4m3fn}:
+            raise CheckpointError(
+                f"{self.ckpt.model_dir}: expert tensors {names[0].format(e=0)} (and its up/down) "
+                f"are stored as {sorted(map(str, dtypes))}; experts are read in float32, "
+                f"bfloat16, float16 or FP8 e4m3 with block scales"
+            )
+        for n in names:
+            scale = n.format(e=0) + "_scale_inv"
+            if scale not in self.ckpt:
+                raise CheckpointError(
+                    f"{self.ckpt.model_dir}: FP8 expert tensor {n.format(e=0)} has no "
+                    f"{scale}; moetier reads FP8 with 128x128 block scales (weight_scale_inv)"
+                )
+        return Fp8BlockCodec(self.fp8_block)
 
     def _transposed(self, gate_up: str, down: str) -> bool:
         shapes = [self.ckpt.info(n).shape for n in (gate_up, down)]
@@ -120,16 +155,32 @@ class ExpertLayout:
     def layers(self) -> list[int]:
         return sorted(self.sources)
 
+    def packing(self, dtype: torch.dtype) -> ExpertPacking:
+        """Each layer's packed format with `dtype` the compute dtype (dense layers' storage)."""
+        formats = {}
+        for layer, src in self.sources.items():
+            codecs: tuple[MatrixCodec, MatrixCodec, MatrixCodec] | None = None
+            if src.fp8 is not None:
+                codecs = (src.fp8, src.fp8, src.fp8)
+            formats[layer] = ExpertFormat(self.shape, dtype, codecs)
+        return ExpertPacking(formats)
+
     def source_bytes(self, layer: int, expert: int) -> int:
-        """Bytes read from disk for one expert in its checkpoint dtype."""
+        """Bytes read from disk for one expert as the checkpoint stores it."""
         src = self.sources[layer]
         if src.fused:
             return sum(self.ckpt.info(n).nbytes // self.num_experts for n in src.names)
-        return sum(self.ckpt.info(n.format(e=expert)).nbytes for n in src.names)
+        names = [n.format(e=expert) for n in src.names]
+        if src.fp8 is not None:
+            names += [n + "_scale_inv" for n in names]
+        return sum(self.ckpt.info(n).nbytes for n in names)
 
     def read_into(self, layer: int, expert: int, out: torch.Tensor) -> int:
-        """Read expert (layer, expert) into the packed CPU buffer `out`; return bytes read."""
+        """Read expert (layer, expert) into the packed CPU buffer `out` (a row of the
+        packing's storage dtype); return bytes read."""
         src = self.sources[layer]
+        if src.fp8 is not None:
+            return self._read_fp8(src, src.fp8, expert, out)
         gate_up, down = self.shape.split(out)
         i = self.shape.intermediate
         if src.fused:
@@ -149,3 +200,20 @@ class ExpertLayout:
             gate_up[i:].copy_(parts[1])
             down.copy_(parts[2])
         return sum(p.numel() * p.element_size() for p in parts)
+
+    def _read_fp8(
+        self, src: _LayerSource, codec: Fp8BlockCodec, expert: int, out: torch.Tensor
+    ) -> int:
+        fmt = ExpertFormat(self.shape, torch.bfloat16, (codec, codec, codec))
+        total = 0
+        for name, part in zip(src.names, fmt.parts(out)):
+            values = self.ckpt.read(name.format(e=expert))
+            scales = self.ckpt.read(name.format(e=expert) + "_scale_inv")
+            try:
+                part.copy_(codec.encode(values, scales))
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"{self.ckpt.model_dir}: {name.format(e=expert)}_scale_inv: {exc}"
+                ) from None
+            total += values.numel() + scales.numel() * scales.element_size()
+        return total

@@ -16,6 +16,7 @@ from moetier.errors import CheckpointError
 from moetier.models.base import CausalLM
 from moetier.models.registry import Family
 from moetier.weights.checkpoint import Checkpoint
+from moetier.weights.formats import dequantize_blocks, fp8_block
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,21 @@ def _source_name(ckpt: Checkpoint, name: str, family: Family) -> str | None:
         if alias in ckpt:
             return alias
     return None
+
+
+def _read_float(ckpt: Checkpoint, name: str, block: tuple[int, int]) -> torch.Tensor:
+    """Tensor `name`; an FP8 weight is dequantized here with its block scales (non-expert
+    weights are few: they are kept in the compute dtype)."""
+    value = ckpt.read(name)
+    if value.dtype != torch.float8_e4m3fn:
+        return value
+    scale = name + "_scale_inv"
+    if scale not in ckpt:
+        raise CheckpointError(
+            f"{ckpt.model_dir}: FP8 tensor {name!r} has no {scale!r}; moetier reads FP8 "
+            f"checkpoints with block scales (quantization_config.weight_block_size)"
+        )
+    return dequantize_blocks(value, ckpt.read(scale), block)
 
 
 def build_model(
@@ -46,6 +62,7 @@ def build_model(
     params = dict(model.named_parameters())
     entries = list(params.items()) + list(model.named_buffers())
     loaded: set[str] = set()
+    block = fp8_block(config)
     bar = tqdm(entries, desc="Loading weights", unit="tensor", disable=not progress)
     for name, tensor in bar:
         src = _source_name(ckpt, name, family)
@@ -56,7 +73,7 @@ def build_model(
                 f"{ckpt.model_dir}: tensor {name!r} is missing from the checkpoint (is it a "
                 f"{family.name} checkpoint, saved completely?)"
             )
-        value = ckpt.read(src)
+        value = _read_float(ckpt, src, block)
         if tuple(value.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"{ckpt.model_dir}: tensor {src!r} has shape {tuple(value.shape)}, the config "
