@@ -301,8 +301,10 @@ class LLM:
     def offload_stats(self) -> dict[str, Any]:
         """Counters of the expert tiers (hits by tier, bytes moved, exposed fetch time), of the
         KV prefix cache (tokens looked up and reused at admission) and the KV cache's effective
-        storage format (`kv_cache_dtype`, a name), and the memory split (`gpu_memory_bytes`,
-        `split_expert_bytes`, `split_kv_bytes`, `split_reason`, a name); the rest are numbers."""
+        storage format (`kv_cache_dtype`, a name), the experts' storage format (`expert_format`,
+        a name: bf16, fp8_e4m3, ...; `expert_bytes` is one packed expert as stored), and the
+        memory split (`gpu_memory_bytes`, `split_expert_bytes`, `split_kv_bytes`,
+        `split_reason`, a name); the rest are numbers."""
         stats: dict[str, Any] = dict(self.engine.runner.stats.to_dict())
         kv = self.engine.runner.kv_cache
         plan = self.engine.runner.tier_plan
@@ -312,6 +314,7 @@ class LLM:
             host_rows=plan.host_rows,
             total_experts=plan.total_experts,
             expert_bytes=plan.expert_bytes,
+            expert_format=self.engine.runner.expert_cache.packing.name,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             kv_cache_dtype=kv.format.name,

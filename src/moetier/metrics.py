@@ -195,7 +195,13 @@ class _SnapshotCollector(Collector):
 class ServerMetrics:
     """Request latencies observed by the server, plus the engine's latest counter snapshot."""
 
-    def __init__(self, model_name: str, kv_cache_dtype: str = "", split_reason: str = "") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        kv_cache_dtype: str = "",
+        split_reason: str = "",
+        expert_format: tuple[str, int] = ("", 0),
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -208,6 +214,16 @@ class ServerMetrics:
                 registry=self.registry,
             )
             info.labels(model_name, kv_cache_dtype).set(1)
+        if expert_format[0]:
+            # info-style: how routed experts are stored and moved, value = bytes per expert
+            fmt = Gauge(
+                "moetier:expert_format_info",
+                "Routed experts' storage format (expert_format: bf16, fp8_e4m3, ...); the "
+                "value is one packed expert's bytes as stored, moved and cached",
+                ["model_name", "expert_format"],
+                registry=self.registry,
+            )
+            fmt.labels(model_name, expert_format[0]).set(expert_format[1])
         if split_reason:
             split = Gauge(
                 "moetier:memory_split_info",

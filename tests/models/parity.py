@@ -137,10 +137,13 @@ def check_parity(
     host_budget: Any = None,
     device: str = "cpu",
     prompts: list[list[int]] = PROMPTS,
+    reference: Path | None = None,
     **llm_kwargs: Any,
 ) -> dict[str, float]:
-    """Assert moetier == transformers token for token (and logits close); return offload stats."""
-    ref = hf_model(path)
+    """Assert moetier == transformers token for token (and logits close); return offload stats.
+    `reference`: the checkpoint transformers runs (default `path`; a quantized checkpoint's
+    dequantized copy)."""
+    ref = hf_model(reference or path)
     llm = LLM(
         str(path),
         expert_budget=expert_budget,

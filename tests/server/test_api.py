@@ -266,6 +266,8 @@ def test_metrics_parse_and_move(server: LiveServer, client: openai.OpenAI) -> No
     # the default KV format is the model dtype (the server runs float32)
     assert after["moetier:kv_cache_info,kv_cache_dtype=fp32"] == 1.0
     assert after["moetier:kv_cache_bytes_per_token"] > 0
+    # experts stored dense in the model dtype: one packed expert's bytes as the value
+    assert after["moetier:expert_format_info,expert_format=fp32"] > 0
     for name in ("moetier:num_requests_running", "moetier:num_requests_waiting",
                  "moetier:num_preemptions_total", "moetier:expert_hits_total,tier=device",
                  "moetier:expert_bytes_total,path=host_to_device",

@@ -18,8 +18,7 @@ def _batch(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> SimpleNames
     """The parts of an ExpertBatch the loop reads, no late reads."""
     n = len(gate_up)
     return SimpleNamespace(
-        gate_up=gate_up,
-        down=down,
+        weights=lambda i: (gate_up[i], down[i]),
         late={},
         compute_order=lambda: list(range(n)),
         ready=lambda i: None,
@@ -43,6 +42,9 @@ class LateBatch:
     def compute_order(self) -> list[int]:
         n = len(self.gate_up)
         return [i for i in range(n) if i not in self.late] + sorted(self.late)
+
+    def weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up[i], self.down[i]
 
     def ready(self, i: int) -> None:
         self.calls.append(i)

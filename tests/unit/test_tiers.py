@@ -87,7 +87,7 @@ def test_returned_weights_are_the_experts(layout: ExpertLayout) -> None:
     batch = cache.fetch(1, [2, 0])
     ref = torch.empty(layout.shape.numel)
     layout.read_into(1, 0, ref)
-    assert torch.equal(batch.down[1], layout.shape.split(ref)[1])
+    assert torch.equal(batch.weights(1)[1], layout.shape.split(ref)[1])
 
 
 def test_budget_below_top_k_says_minimum(layout: ExpertLayout) -> None:

@@ -379,6 +379,7 @@ def _metrics(
         budget_bytes=int(plan["device_slots"] * plan["expert_bytes"]),
         host_rows=int(plan["host_rows"]),
         expert_bytes=int(plan["expert_bytes"]),
+        expert_format=str(plan["expert_format"]),  # how experts are stored and moved
         kv_cache_dtype=str(plan["kv_cache_dtype"]),  # the effective KV storage format
         kv_bytes_per_token=int(plan["kv_bytes_per_token"]),
         load_s=load_s,

@@ -256,15 +256,15 @@ class MoEBlock(nn.Module):
         ascending expert order."""
         one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
         pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
-        gate_ups, downs = batch.gate_up, batch.down
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # late batches only
         for i in batch.compute_order():
             batch.ready(i)
+            gate_up, down = batch.weights(i)
             a, b = spans[i]
             tok = None if one else tokens[a:b]
-            h = F.linear(x if tok is None else x[tok], gate_ups[i])  # [n, 2I]
+            h = F.linear(x if tok is None else x[tok], gate_up)  # [n, 2I]
             g, u = h.chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, downs[i])  # [n, D]
+            y = F.linear(self.act(g) * u, down)  # [n, D]
             if tok is None:
                 term = (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:

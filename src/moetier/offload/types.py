@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple, Protocol
 
 import torch
@@ -24,8 +23,9 @@ class ExpertKey(NamedTuple):
 class ExpertBatch:
     """Experts of one layer made ready on the compute stream, in the order they were asked for.
 
-    `slots[i]` is the pool row holding `experts[i]`; per-expert weight views are built only
-    when asked for (the slot-reading kernel never needs them, and they cost host time).
+    `slots[i]` is the pool row holding `experts[i]`; per-expert weights are built only when
+    asked for (`weights(i)`: the slot-reading kernel never needs them, and they cost host
+    time; a compressed expert is decoded there).
 
     Late reads (CPU without a host tier): `late` maps the index of each expert whose disk read
     was still running when fetch returned to its slot; the caller computes the others first and
@@ -59,19 +59,10 @@ class ExpertBatch:
             return list(range(len(self.experts)))
         return [i for i in range(len(self.experts)) if i not in self.late] + sorted(self.late)
 
-    @cached_property
-    def _views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.split(self.pool[s]) for s in self.slots]
-
-    @property
-    def gate_up(self) -> list[torch.Tensor]:
-        """Per expert [2I, D] views into the pool."""
-        return [v[0] for v in self._views]
-
-    @property
-    def down(self) -> list[torch.Tensor]:
-        """Per expert [D, I] views into the pool."""
-        return [v[1] for v in self._views]
+    def weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """experts[i]'s (gate_up [2I, D], down [D, I]): views into the pool when dense, decoded
+        copies when compressed (weights/formats.py). Call `ready(i)` first."""
+        return self.split(self.pool[self.slots[i]])
 
 
 class ExpertProvider(Protocol):

@@ -225,6 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(
             name,
             kv_cache_dtype=str(info.get("kv_cache_dtype", "")),
+            expert_format=(str(info.get("expert_format", "")), int(info.get("expert_bytes", 0))),
             split_reason=str(info.get("split_reason", "")),
         )
         client.on_stats = metrics.update_engine

@@ -134,6 +134,8 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
         "vocab_size": eng.vocab_size,
         "kv_tokens": eng.blocks.num_blocks * eng.blocks.block_size,
         "kv_cache_dtype": eng.runner.kv_cache.format.name,
+        "expert_format": eng.runner.expert_cache.packing.name,
+        "expert_bytes": eng.runner.tier_plan.expert_bytes,
         "split_reason": eng.runner.memory_split.reason,
         "max_num_seqs": llm.config.scheduler.max_num_seqs,
     }

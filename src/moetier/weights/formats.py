@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+_DENSE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ALIGN = 16  # bytes: every encoded part and every packed expert starts on this boundary
 
 
@@ -144,7 +145,7 @@ class ExpertFormat:
     @property
     def name(self) -> str:
         if self.codecs is None:
-            return str(self.dtype).removeprefix("torch.")
+            return _DENSE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
         names = [c.name for c in self.codecs]
         return names[0] if len(set(names)) == 1 else "/".join(names)
 
