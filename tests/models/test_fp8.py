@@ -107,3 +107,22 @@ def test_fp8_experts_without_scales_are_an_error(tmp_path: Path) -> None:
     save_file(tensors, str(fp8 / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"experts\.0\.up_proj\.weight has no .*_scale_inv"):
         ExpertLayout(Checkpoint(fp8), {1: ["model.layers.1.mlp"]}, 8)
+
+
+@pytest.mark.parametrize(
+    ("budget", "kernels"),
+    [
+        (None, dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0)),
+        ("50%", dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0)),
+        ("50%", dict(moe_grouped_kernel=False, moe_slot_kernel_max_pairs=128)),
+    ],
+)
+def test_fp8_kernel_path_parity(tmp_path: Path, budget: str | None, kernels: dict) -> None:
+    # The kernel path reads FP8 slots in place (its PyTorch reference on the CPU: the Triton
+    # kernels themselves are checked in tests/unit/test_fp8_kernels.py).
+    fp8, ref = _fp8_pair(tmp_path, "qwen3_moe", moe_intermediate_size=40)
+    stats = check_parity(fp8, budget, reference=ref, **kernels)
+    if budget is None:
+        assert stats["resident_lookups"] > 0 and stats["requests"] == 0
+    else:
+        assert stats["requests"] > 0

@@ -87,8 +87,8 @@ print("ok")
 def _run_in_interpreter(code: str) -> None:
     """Run `code` in a fresh process with Triton's CPU interpreter on (it is read at import)."""
     pytest.importorskip("triton")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=src)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root / 'src'}{os.pathsep}{root}")
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )

@@ -21,6 +21,7 @@ from moetier.engine.memory_split import MemorySplit, placed_bytes, split_memory
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.kernels.grouped_ffn import SLOT_KERNEL_MAX_PAIRS
+from moetier.kernels.slot_layout import slot_layout
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
 from moetier.layers.norm import RMSNorm
@@ -168,9 +169,10 @@ class ModelRunner:
             stream = 0.9 if self.device.type == "cuda" else 0.0
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
-        if self.expert_cache.packing.compressed:
-            # The expert kernels read dense slots; compressed experts are decoded per expert
-            # where the per-expert loop computes them.
+        kernel_layout = slot_layout(self.expert_cache.packing)
+        if kernel_layout is None:
+            # No kernel reads this format: each expert is decoded where the per-expert loop
+            # computes it.
             log.info("experts stored as %s: per-expert loop", self.expert_cache.packing.name)
             grouped, slot_kernel = False, 0
         blocks = self.model.moe_blocks()
@@ -179,6 +181,7 @@ class ModelRunner:
             block.num_experts = self.num_experts
             block.grouped_kernel = grouped
             block.slot_kernel_max_pairs = slot_kernel
+            block.slot_layout = kernel_layout
             block.stream_share = stream
             block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
         self.prefetcher = self._build_prefetcher(config)

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moetier.kernels._slot_tiles_triton import weight_tile
+from moetier.kernels.slot_layout import SlotLayout, dense_layout
+
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs.
 
 
@@ -28,12 +31,18 @@ def _gate_up_act(
     D,
     NI,
     stride_slot,
+    UP_OFF,
+    S_OFF,
+    BR,
+    BC,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
     t = p // K
+    dt = h_ptr.dtype.element_ty
     slot = tl.load(slot_ptr + p).to(tl.int64)
     base = pool_ptr + slot * stride_slot
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -45,12 +54,11 @@ def _gate_up_act(
         cmask = cols < D
         xv = tl.load(x_ptr + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
         m2 = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        wg = tl.load(base + offs, mask=m2, other=0.0).to(tl.float32)  # [BN, BK]
-        wu = tl.load(base + NI * D + offs, mask=m2, other=0.0).to(tl.float32)
+        r, c = rows[:, None], cols[None, :]
+        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt).to(tl.float32)  # [BN, BK]
+        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt).to(tl.float32)
         acc_g += tl.sum(wg * xv[None, :], axis=1)
         acc_u += tl.sum(wu * xv[None, :], axis=1)
-    dt = h_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
@@ -68,6 +76,11 @@ def _down_combine(
     D,
     NI,
     stride_slot,
+    DOWN_OFF,
+    S_OFF,
+    BR,
+    BC,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -80,16 +93,15 @@ def _down_combine(
     for j in range(0, K):
         p = t * K + j
         slot = tl.load(slot_ptr + p).to(tl.int64)
-        base = pool_ptr + slot * stride_slot + 2 * NI * D
+        base = pool_ptr + slot * stride_slot + DOWN_OFF
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, NI, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             cmask = cols < NI
             hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
             m2 = rmask[:, None] & cmask[None, :]
-            wd = tl.load(
-                base + rows[:, None].to(tl.int64) * NI + cols[None, :], mask=m2, other=0.0
-            ).to(tl.float32)  # [BN, BK]
+            wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FP8)
+            wd = wd.to(dt).to(tl.float32)  # [BN, BK]
             acc += tl.sum(wd * hv[None, :], axis=1)
         w = tl.load(w_ptr + p).to(tl.float32)
         y = (acc.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
@@ -107,6 +119,11 @@ def _down_pair(
     D,
     NI,
     stride_slot,
+    DOWN_OFF,
+    S_OFF,
+    BR,
+    BC,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -118,16 +135,15 @@ def _down_pair(
     rmask = rows < D
     dt = y_ptr.dtype.element_ty
     slot = tl.load(slot_ptr + p).to(tl.int64)
-    base = pool_ptr + slot * stride_slot + 2 * NI * D
+    base = pool_ptr + slot * stride_slot + DOWN_OFF
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         cmask = cols < NI
         hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
         m2 = rmask[:, None] & cmask[None, :]
-        wd = tl.load(base + rows[:, None].to(tl.int64) * NI + cols[None, :], mask=m2, other=0.0).to(
-            tl.float32
-        )
+        wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FP8)
+        wd = wd.to(dt).to(tl.float32)
         acc += tl.sum(wd * hv[None, :], axis=1)
     w = tl.load(w_ptr + p).to(tl.float32)
     y = (acc.to(dt).to(tl.float32) * w).to(dt)
@@ -190,8 +206,10 @@ def gate_up(
     k: int,
     inter: int,
     cfg: FfnConfig,
+    layout: SlotLayout | None = None,
 ) -> None:
     d = x.shape[1]
+    layout = layout or dense_layout(d, inter)
     _gate_up_act[(slots.numel(), triton.cdiv(inter, cfg.up_bn))](
         x,
         pool,
@@ -201,6 +219,8 @@ def gate_up(
         d,
         inter,
         pool.stride(0),
+        layout.up,
+        *_fp8_args(layout),
         BLOCK_N=cfg.up_bn,
         BLOCK_K=cfg.up_bk,
         num_warps=cfg.up_warps,
@@ -216,20 +236,28 @@ def down(
     out: torch.Tensor,
     inter: int,
     cfg: FfnConfig,
+    layout: SlotLayout | None = None,
 ) -> None:
     t, k = slots.shape
     d = out.shape[1]
+    layout = layout or dense_layout(d, inter)
     tile = dict(
         BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )  # fmt: skip
     rows = triton.cdiv(d, cfg.down_bn)
+    at = (pool.stride(0), layout.down, *_fp8_args(layout))
     if cfg.split_down:
         y = torch.empty(t * k, d, dtype=out.dtype, device=out.device)  # [P, D]
-        _down_pair[(t * k, rows)](h, pool, slots, weights, y, d, inter, pool.stride(0), **tile)
+        _down_pair[(t * k, rows)](h, pool, slots, weights, y, d, inter, *at, **tile)
         _combine[(t, triton.cdiv(d, 512))](y, out, k, d, BLOCK=512, num_warps=4)
     else:
-        _down_combine[(t, rows)](h, pool, slots, weights, out, k, d, inter, pool.stride(0), **tile)
+        _down_combine[(t, rows)](h, pool, slots, weights, out, k, d, inter, *at, **tile)
+
+
+def _fp8_args(layout: SlotLayout) -> tuple[int, int, int, bool]:
+    """S_OFF, BR, BC, FP8 of a layout (placeholders when dense: the branch is compiled out)."""
+    return layout.scales, layout.block[0], layout.block[1], layout.fp8
 
 
 def expert_ffn_triton(
@@ -239,16 +267,18 @@ def expert_ffn_triton(
     weights: torch.Tensor,
     inter: int,
     cfg: FfnConfig | None = None,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
-    """x [T, D], pool [S, 3ID], slots [T, K] (ascending expert per row), weights [T, K]
-    -> [T, D]."""
+    """x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
+    (ascending expert per row), weights [T, K] -> [T, D]."""
     t, k = slots.shape
     x = x.contiguous()
     slots = slots.to(torch.int32).contiguous()
     weights = weights.contiguous()
     cfg = cfg or choose_config(t, k, x.shape[1], inter)
+    layout = layout or dense_layout(x.shape[1], inter)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     out = torch.empty_like(x)
-    gate_up(x, pool, slots, h, k, inter, cfg)
-    down(h, pool, slots, weights, out, inter, cfg)
+    gate_up(x, pool, slots, h, k, inter, cfg, layout)
+    down(h, pool, slots, weights, out, inter, cfg, layout)
     return out

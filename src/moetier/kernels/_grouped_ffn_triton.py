@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moetier.kernels._slot_tiles_triton import weight_tile
 from moetier.kernels.grouped_ffn import align
+from moetier.kernels.slot_layout import SlotLayout, dense_layout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs,
 # BM pairs per block, NB blocks.
@@ -35,6 +37,11 @@ def _grouped_gate_up(
     D,
     NI,
     stride_slot,
+    UP_OFF,
+    S_OFF,
+    BR,
+    BC,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -52,6 +59,7 @@ def _grouped_gate_up(
     rows_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate features
     nmask = rows_n < NI
     base = pool_ptr + slot.to(tl.int64) * stride_slot
+    dt = h_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -62,10 +70,10 @@ def _grouped_gate_up(
             mask=mmask[:, None] & cmask[None, :],
             other=0.0,
         )  # [BM, BK]
-        offs = rows_n[None, :].to(tl.int64) * D + cols[:, None]  # [BK, BN]: weight (n, k)
+        r, c = rows_n[None, :], cols[:, None]  # [BK, BN]: weight (n, k)
         m2 = cmask[:, None] & nmask[None, :]
-        wg = tl.load(base + offs, mask=m2, other=0.0)
-        wu = tl.load(base + NI * D + offs, mask=m2, other=0.0)
+        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt)
+        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt)
         if IEEE:  # float32 operands (an fp32 model, or bf16 upcast for the CPU interpreter)
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
@@ -73,7 +81,6 @@ def _grouped_gate_up(
         else:
             acc_g = tl.dot(xa, wg, acc_g)
             acc_u = tl.dot(xa, wu, acc_u)
-    dt = h_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
@@ -96,6 +103,11 @@ def _grouped_down(
     D,
     NI,
     stride_slot,
+    DOWN_OFF,
+    S_OFF,
+    BR,
+    BC,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -112,7 +124,8 @@ def _grouped_down(
     mmask = pair < P
     rows_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     nmask = rows_n < D
-    base = pool_ptr + slot.to(tl.int64) * stride_slot + 2 * NI * D
+    base = pool_ptr + slot.to(tl.int64) * stride_slot + DOWN_OFF
+    dt = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -122,17 +135,14 @@ def _grouped_down(
             mask=cmask[None, :],
             other=0.0,
         )  # [BM, BK]
-        wd = tl.load(
-            base + rows_n[None, :].to(tl.int64) * NI + cols[:, None],
-            mask=cmask[:, None] & nmask[None, :],
-            other=0.0,
-        )  # [BK, BN]: down (n, k)
+        m2 = cmask[:, None] & nmask[None, :]
+        wd = weight_tile(base, rows_n[None, :], cols[:, None], m2, NI, S_OFF, BR, BC, FP8)
+        wd = wd.to(dt)  # [BK, BN]: down (n, k)
         if IEEE:
             ha, wd = ha.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(ha, wd, acc, input_precision="ieee")
         else:
             acc = tl.dot(ha, wd, acc)
-    dt = y_ptr.dtype.element_ty
     w = tl.load(w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
     y = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
     tl.store(
@@ -276,9 +286,11 @@ def grouped_ffn_triton(
     out: torch.Tensor | None = None,
     cfg: GroupedConfig | None = None,
     experts: torch.Tensor | None = None,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
-    """x [T, D], pool [S, 3ID], slots [T, K] (ascending expert per row, -1 = skip), weights
-    [T, K] -> [T, D] (`out` updated in place when given). `experts` [T, K] (the pairs' expert
+    """x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
+    (ascending expert per row, -1 = skip), weights [T, K] -> [T, D] (`out` updated in place
+    when given). `experts` [T, K] (the pairs' expert
     ids, < max_experts): the align runs as three Triton launches binned by them, else as
     PyTorch ops sorting the slots."""
     t, k = slots.shape
@@ -301,15 +313,17 @@ def grouped_ffn_triton(
     # fp32 models keep fp32 products (no TF32); Triton's CPU interpreter gets bf16 dots wrong,
     # so there the operands are upcast (bf16 products are exact in fp32 either way)
     ieee = x.dtype == torch.float32 or not x.is_cuda
+    layout = layout or dense_layout(d, inter)
+    fp8 = (layout.scales, layout.block[0], layout.block[1], layout.fp8)
     h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
     _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
-        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0),
+        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *fp8,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=cfg.up_bk, IEEE=ieee,
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
     _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
-        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0),
+        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *fp8,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, IEEE=ieee,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip

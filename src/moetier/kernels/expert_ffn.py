@@ -11,8 +11,9 @@ for token t and its K (token, expert) pairs sorted by ascending expert id,
 so a bf16 model rounds exactly where the loop does (a different order flips near-tied routing
 decisions in later layers). Dot products accumulate in float32 in both.
 
-Slot layout (weights/experts.py ExpertShape): one packed row per slot,
-[gate rows (I x D) | up rows (I x D) | down (D x I)].
+Slot layout (kernels/slot_layout.py): one packed row per slot, [gate rows (I x D) | up rows
+(I x D) | down (D x I)] in the model dtype, or the same three matrices in FP8 with block scales,
+dequantized in registers and rounded to the model dtype (as the reference dequantizes them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from moetier.kernels.slot_layout import SlotLayout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, S slots, P = T*K pairs.
 
@@ -40,11 +43,32 @@ def triton_available() -> bool:
     return bool(_triton)
 
 
+def densify(
+    pool: torch.Tensor, slots: torch.Tensor, layout: SlotLayout | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool, slots) as dense rows: unchanged for a dense layout; else the slots' experts
+    decoded into a new [N, 3ID] pool and the slots renumbered into it (references only)."""
+    if layout is None or layout.split is None:
+        return pool, slots
+    used, index = torch.unique(slots.clamp(min=0), return_inverse=True)
+    rows = []
+    for s in used.tolist():
+        gate_up, down = layout.split(pool[s])
+        rows.append(torch.cat([gate_up.flatten(), down.flatten()]))
+    return torch.stack(rows), torch.where(slots >= 0, index, slots)
+
+
 def pair_outputs(
-    x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted output y [T, K, D] in x.dtype (the rounding of the
     contract above), slots [T, K] >= 0. Shared by the references here and in grouped_ffn.py."""
+    pool, slots = densify(pool, slots, layout)
     t, k = slots.shape
     d = x.shape[1]
     w = pool.index_select(0, slots.reshape(-1).long())  # [P, 3ID]
@@ -60,11 +84,16 @@ def pair_outputs(
 
 
 def expert_ffn_reference(
-    x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
-    """x [T, D], pool [S, 3ID], slots [T, K] int (ascending expert per row), weights [T, K]
-    -> [T, D] in x.dtype. Silu-gated experts."""
-    y = pair_outputs(x, pool, slots, weights, inter)  # [T, K, D]
+    """x [T, D], pool [S, row] (dense [S, 3ID] unless `layout` says), slots [T, K] int
+    (ascending expert per row), weights [T, K] -> [T, D] in x.dtype. Silu-gated experts."""
+    y = pair_outputs(x, pool, slots, weights, inter, layout)  # [T, K, D]
     out = torch.zeros_like(x)
     for j in range(slots.shape[1]):
         out += y[:, j]
@@ -72,12 +101,17 @@ def expert_ffn_reference(
 
 
 def expert_ffn(
-    x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, inter: int
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
     """The kernel when Triton and the device allow it, else the reference (same contract)."""
     if kernel_ok(x):
-        return _triton.expert_ffn_triton(x, pool, slots, weights, inter)
-    return expert_ffn_reference(x, pool, slots, weights, inter)
+        return _triton.expert_ffn_triton(x, pool, slots, weights, inter, layout=layout)
+    return expert_ffn_reference(x, pool, slots, weights, inter, layout)
 
 
 def kernel_ok(x: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moetier.kernels.expert_ffn import kernel_ok, pair_outputs, triton_available
+from moetier.kernels.slot_layout import SlotLayout
 
 # The crossover on CUDA: a layer call of at most this many (token, expert) pairs runs the slot
 # kernel (kernels/expert_ffn.py), a larger one this kernel. Measured on the H200 (one layer call,
@@ -42,11 +43,13 @@ def grouped_ffn_reference(
     weights: torch.Tensor,
     inter: int,
     out: torch.Tensor | None = None,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
-    """x [T, D], pool [S, 3ID], slots [T, K] int (ascending expert per row, -1 = not in this
-    call), weights [T, K] -> [T, D] in x.dtype (`out` updated in place when given)."""
+    """x [T, D], pool [S, row] (dense [S, 3ID] unless `layout` says), slots [T, K] int
+    (ascending expert per row, -1 = not in this call), weights [T, K] -> [T, D] in x.dtype
+    (`out` updated in place when given)."""
     valid = slots >= 0  # [T, K]
-    y = pair_outputs(x, pool, slots.clamp(min=0), weights, inter)  # [T, K, D]
+    y = pair_outputs(x, pool, slots.clamp(min=0), weights, inter, layout)  # [T, K, D]
     acc = torch.zeros_like(x) if out is None else out
     for j in range(slots.shape[1]):
         acc.copy_(torch.where(valid[:, j, None], acc + y[:, j], acc))
@@ -95,6 +98,7 @@ def grouped_ffn(
     max_experts: int,
     out: torch.Tensor | None = None,
     experts: torch.Tensor | None = None,
+    layout: SlotLayout | None = None,
 ) -> torch.Tensor:
     """The grouped kernel when Triton and the device allow it, else the reference (same
     contract). `max_experts`: most distinct slots the call can touch (the layer's expert count);
@@ -103,6 +107,6 @@ def grouped_ffn(
         from moetier.kernels import _grouped_ffn_triton as tri
 
         return tri.grouped_ffn_triton(
-            x, pool, slots, weights, inter, max_experts, out, experts=experts
+            x, pool, slots, weights, inter, max_experts, out, experts=experts, layout=layout
         )
-    return grouped_ffn_reference(x, pool, slots, weights, inter, out)
+    return grouped_ffn_reference(x, pool, slots, weights, inter, out, layout)

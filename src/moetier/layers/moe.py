@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 
 from moetier.kernels.expert_ffn import expert_ffn
 from moetier.kernels.grouped_ffn import grouped_ffn
+from moetier.kernels.slot_layout import SlotLayout
 from moetier.offload.types import ExpertBatch, ExpertProvider
 
 # Legend: T tokens, E experts, K top-k, D hidden, I expert intermediate.
@@ -59,6 +60,9 @@ class MoEBlock(nn.Module):
         # loop (the CPU default). With every expert resident neither adds a host sync.
         self.slot_kernel_max_pairs = 0
         self.grouped_kernel = False
+        # How the kernels read a slot (dense, or FP8 with block scales); None = dense. Set by
+        # the model runner from the expert packing.
+        self.slot_layout: SlotLayout | None = None
         # Layer streaming (offloaded, set by the model runner): a call that touches at least
         # this share of the layer's experts prefetches every expert of `next_layer` (the next
         # MoE layer) once its own are fetched, so the copy stream brings layer l+1's misses
@@ -89,9 +93,12 @@ class MoEBlock(nn.Module):
         few pairs, the grouped kernel above."""
         assert self.provider is not None
         inter = self.provider.intermediate
+        layout = self.slot_layout
         if slots.numel() <= self.slot_kernel_max_pairs:
-            return expert_ffn(x, pool, slots, weights, inter)
-        return grouped_ffn(x, pool, slots, weights, inter, self.num_experts, experts=experts)
+            return expert_ffn(x, pool, slots, weights, inter, layout)
+        return grouped_ffn(
+            x, pool, slots, weights, inter, self.num_experts, experts=experts, layout=layout
+        )
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, K], [T, K]
@@ -216,7 +223,7 @@ class MoEBlock(nn.Module):
                     wave_slots = lookup[sorted_ids]  # [T, K], -1 = another wave's expert
                     grouped_ffn(
                         x, batch.pool, wave_slots, sorted_weights, provider.intermediate,
-                        self.num_experts, out, experts=sorted_ids,
+                        self.num_experts, out, experts=sorted_ids, layout=self.slot_layout,
                     )  # fmt: skip
                 else:
                     spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]

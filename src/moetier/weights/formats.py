@@ -46,7 +46,10 @@ class ExpertShape:
 class MatrixCodec(Protocol):
     """One encoding of a [rows, cols] weight matrix as bytes (cols is the reduction dim)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The format's name in stats, metrics and errors."""
+        ...
 
     def nbytes(self, rows: int, cols: int) -> int:
         """Encoded size of a [rows, cols] matrix."""
@@ -74,14 +77,23 @@ def get_codec(name: str) -> MatrixCodec:
         raise ValueError(f"unknown expert weight format {name!r} (known: {known})") from None
 
 
+@dataclass(frozen=True)
 class Fp8BlockCodec:
     """FP8 e4m3 values with one float32 scale per 128x128 block (DeepSeek-V3, Qwen3-*-FP8:
     `weight` F8_E4M3 and `weight_scale_inv` [ceil(rows/128), ceil(cols/128)]); the value is
-    fp8 x its block's scale. Encoded: the values row-major, then the scales row-major."""
+    fp8 x its block's scale. Encoded: the values row-major, then (from `scale_offset`) the
+    scales row-major."""
 
-    def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
-        self.block = block
-        self.name = "fp8_e4m3" if block == (128, 128) else f"fp8_e4m3_b{block[0]}x{block[1]}"
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def name(self) -> str:
+        b = self.block
+        return "fp8_e4m3" if b == (128, 128) else f"fp8_e4m3_b{b[0]}x{b[1]}"
+
+    @staticmethod
+    def scale_offset(rows: int, cols: int) -> int:
+        return _aligned(rows * cols)
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
         br, bc = self.block
@@ -89,7 +101,7 @@ class Fp8BlockCodec:
 
     def nbytes(self, rows: int, cols: int) -> int:
         sr, sc = self.scale_shape(rows, cols)
-        return _aligned(rows * cols) + 4 * sr * sc
+        return self.scale_offset(rows, cols) + 4 * sr * sc
 
     def encode(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """The stored tensors of one matrix -> its encoded bytes (a new CPU uint8 tensor)."""
@@ -103,13 +115,13 @@ class Fp8BlockCodec:
                 f"in {self.block[0]}x{self.block[1]} blocks needs ({sr}, {sc})"
             )
         scales = scale_inv.to(torch.float32).contiguous().view(torch.uint8).flatten()
-        out[_aligned(rows * cols) :] = scales
+        out[self.scale_offset(rows, cols) :] = scales
         return out
 
     def decode(self, raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         sr, sc = self.scale_shape(rows, cols)
         values = raw[: rows * cols].view(torch.float8_e4m3fn).view(rows, cols)
-        start = _aligned(rows * cols)
+        start = self.scale_offset(rows, cols)
         scales = raw[start : start + 4 * sr * sc].view(torch.float32).view(sr, sc)
         return dequantize_blocks(values, scales, self.block).to(dtype)
 
