@@ -55,3 +55,25 @@ def test_transformers_and_moetier_agree(shape: str) -> None:
     llm = LLM(str(path), expert_budget="50%", progress=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == out[0, 6:].tolist()
+
+
+def test_fp8_synthetic_is_read_as_stored() -> None:
+    from moetier import LLM, SamplingParams
+    from moetier.weights.checkpoint import Checkpoint
+
+    path = ensure_synthetic("tiny-qwen3", None, seed=1, fmt="fp8")
+    assert path.name.endswith("-fp8")
+    ckpt = Checkpoint(path)
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert ckpt.info(name).dtype == torch.float8_e4m3fn and ckpt.info(name).shape == (64, 32)
+    assert ckpt.info(name + "_scale_inv").shape == (1, 1)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 77, 301, 9, 42, 7]
+    tokens = []
+    for budget in (None, "25%"):
+        llm = LLM(str(path), expert_budget=budget, progress=False)
+        stats = llm.offload_stats()
+        # per matrix: 32 x 64 e4m3 bytes, then one float32 scale, each part 16-byte aligned
+        assert stats["expert_format"] == "fp8_e4m3" and stats["expert_bytes"] == 3 * 2064
+        tokens.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6

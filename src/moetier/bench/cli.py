@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Any
 
+from moetier.bench.synthetic import FORMATS
 from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from moetier.threads import threads_arg
 
@@ -58,6 +59,9 @@ def add_bench_parser(sub: Any) -> None:
     syn.add_argument("--layers", type=int, default=None)
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--fill-device", default=None, help="default: cuda when available")
+    syn.add_argument(
+        "--format", default="bf16", choices=FORMATS, help="expert storage (fp8: e4m3, 128x128)"
+    )
     syn.set_defaults(func=cmd_synthetic)
     srv = bsub.add_parser(
         "serve", help="TTFT/TPOT/ITL and throughput through an OpenAI-compatible server"
@@ -82,6 +86,12 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         "$MOETIER_HOME/synthetic",
     )
     p.add_argument("--layers", type=int, default=None, help="synthetic depth (default: real)")
+    p.add_argument(
+        "--format",
+        default="bf16",
+        choices=FORMATS,
+        help="synthetic experts' storage format (fp8: e4m3 with 128x128 block scales)",
+    )
     p.add_argument(
         "--expert-budget",
         default="100%,25%,10%",
@@ -181,6 +191,7 @@ def latency_settings(args: argparse.Namespace) -> Any:
         model=args.model,
         synthetic=args.synthetic,
         layers=args.layers,
+        synthetic_format=args.format,
         budgets=[b for b in args.expert_budget.split(",") if b.strip()],
         host_budget=args.host_budget,
         batch_size=args.batch_size,
@@ -261,7 +272,7 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
     from moetier.bench.synthetic import ensure_synthetic
 
     t0 = time.perf_counter()
-    path = ensure_synthetic(args.shape, args.layers, args.seed, args.fill_device)
+    path = ensure_synthetic(args.shape, args.layers, args.seed, args.fill_device, args.format)
     print(path)
     print(f"ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -37,6 +37,7 @@ class LatencySettings:
     model: str | None = None
     synthetic: str | None = None
     layers: int | None = None
+    synthetic_format: str = "bf16"  # the synthetic experts' storage (bench/synthetic.py)
     budgets: list[str] = field(default_factory=lambda: ["100%", "25%", "10%"])
     host_budget: str | None = None
     batch_size: int = 1
@@ -70,7 +71,7 @@ def resolve_model(s: LatencySettings) -> Path:
         from moetier.bench.synthetic import ensure_synthetic
 
         ws = s.seed if s.weights_seed is None else s.weights_seed
-        return ensure_synthetic(s.synthetic, s.layers, ws)
+        return ensure_synthetic(s.synthetic, s.layers, ws, fmt=s.synthetic_format)
     if not s.model:
         raise ConfigError("give --model PATH or --synthetic SHAPE")
     return Path(s.model)
@@ -255,7 +256,7 @@ def settings_record(
 ) -> dict[str, Any]:
     """Every protocol setting, for the JSON and the table header."""
     rec = {k: v for k, v in asdict(s).items() if k not in ("progress",)}
-    weights = "random bf16 (synthetic)" if s.synthetic else "checkpoint"
+    weights = f"random {s.synthetic_format} (synthetic)" if s.synthetic else "checkpoint"
     labels = []
     for source in sources:
         label = source.label if source is not None else "model routers"

@@ -165,8 +165,13 @@ def moetier_home() -> Path:
     return Path(os.environ.get("MOETIER_HOME") or Path.home() / ".cache" / "moetier")
 
 
-def synthetic_dir(shape: str, num_layers: int, seed: int) -> Path:
-    return moetier_home() / "synthetic" / f"{shape}-L{num_layers}-s{seed}"
+# Expert storage formats a synthetic checkpoint can be written in (`--format`).
+FORMATS = ("bf16", "fp8")
+
+
+def synthetic_dir(shape: str, num_layers: int, seed: int, fmt: str = "bf16") -> Path:
+    suffix = "" if fmt == "bf16" else f"-{fmt}"
+    return moetier_home() / "synthetic" / f"{shape}-L{num_layers}-s{seed}{suffix}"
 
 
 def shape_config(shape: str, num_layers: int) -> Any:
@@ -230,20 +235,38 @@ def _shard_of(name: str) -> str:
 
 
 def write_synthetic(
-    path: Path, shape: str, num_layers: int, seed: int = 0, device: str | None = None
+    path: Path,
+    shape: str,
+    num_layers: int,
+    seed: int = 0,
+    device: str | None = None,
+    fmt: str = "bf16",
 ) -> Path:
     """Write a `num_layers`-layer checkpoint of `shape` to `path`, one shard per layer.
 
-    Experts are stored fused (`experts.gate_up_proj`, `experts.down_proj`) as transformers saves
-    them. `device`: where to fill (default CUDA when available). A writer thread saves one shard
+    bf16: experts are stored fused (`experts.gate_up_proj`, `experts.down_proj`) as
+    transformers saves them. fp8: per expert in e4m3 with 128x128 block scales
+    (`weight_scale_inv`), the layout of Qwen3-*-FP8 and DeepSeek-V3 (other weights bf16).
+    `device`: where to fill (default CUDA when available). A writer thread saves one shard
     while the next is filled, so a GPU fill runs at disk speed.
     """
+    if fmt not in FORMATS:
+        from moetier.errors import ConfigError
+
+        raise ConfigError(f"unknown synthetic format {fmt!r}; choose from {', '.join(FORMATS)}")
     from transformers import AutoModelForCausalLM
 
     config = shape_config(shape, num_layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(model).__name__]
+    if fmt == "fp8":
+        config.quantization_config = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     fill_dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -265,7 +288,8 @@ def write_synthetic(
     thread.start()
     try:
         for shard, names in groups.items():
-            done.put((shard, {n: filler(n, s).contiguous() for n, s in names.items()}))
+            tensors = {n: filler(n, s).contiguous() for n, s in names.items()}
+            done.put((shard, _fp8_experts(tensors, fill_dev) if fmt == "fp8" else tensors))
     finally:
         done.put(None)
         thread.join()
@@ -277,27 +301,55 @@ def write_synthetic(
     return path
 
 
-def ensure_synthetic(
-    shape: str, num_layers: int | None = None, seed: int = 0, device: str | None = None
-) -> Path:
-    """The cached checkpoint of (shape, layers, seed); generated first when missing or partial.
+def _fp8_experts(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Fused bf16 experts of one shard -> per-expert e4m3 + float32 128x128 block scales. One
+    scale for every block (the weights are random: a per-block amax would buy nothing), chosen
+    so the values span e4m3's range without saturating (|w| / scale <= ~7 sigma x 64)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        base = name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[name] = t
+            continue
+        t = t.to(device)
+        scale = 1.0 / (64 * t.shape[-1] ** 0.5)
+        parts = [("gate_proj", "up_proj"), ("down_proj",)][name.endswith("down_proj")]
+        for e in range(t.shape[0]):
+            for j, part in enumerate(parts):
+                rows = t.shape[1] // len(parts)
+                w = t[e, j * rows : (j + 1) * rows]
+                key = f"{base}.{e}.{part}.weight"
+                out[key] = (w.float() / scale).to(torch.float8_e4m3fn).cpu()
+                blocks = (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+                out[key + "_scale_inv"] = torch.full(blocks, scale, dtype=torch.float32)
+    return out
 
-    The marker file is written last, so an interrupted write is detected and redone.
+
+def ensure_synthetic(
+    shape: str,
+    num_layers: int | None = None,
+    seed: int = 0,
+    device: str | None = None,
+    fmt: str = "bf16",
+) -> Path:
+    """The cached checkpoint of (shape, layers, seed, format); generated first when missing or
+    partial. The marker file is written last, so an interrupted write is detected and redone.
     """
     layers = num_layers or DEFAULT_LAYERS.get(shape, 4)
-    path = synthetic_dir(shape, layers, seed)
+    path = synthetic_dir(shape, layers, seed, fmt)
     if (path / MARKER).exists():
         return path
     if path.exists():
         log.warning("removing incomplete synthetic checkpoint %s", path)
         shutil.rmtree(path)
     t0 = time.perf_counter()
-    write_synthetic(path, shape, layers, seed, device)
+    write_synthetic(path, shape, layers, seed, device, fmt)
     fill = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(
         shape=shape,
         layers=layers,
         seed=seed,
+        format=fmt,
         fill_device=fill,
         write_s=round(time.perf_counter() - t0, 2),
     )
