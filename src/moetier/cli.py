@@ -12,6 +12,7 @@ import time
 
 from moetier.bench.cli import add_bench_parser
 from moetier.config import (
+    DEVICE_CACHE_HELP,
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
@@ -50,6 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")
+    p.add_argument("--device-cache", action="store_true", help=DEVICE_CACHE_HELP)
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument(
         "--enable-prefix-caching",
@@ -112,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         policy=args.policy,
         prefetch=args.prefetch,
         prefetch_ahead=args.prefetch_ahead,
+        device_cache=args.device_cache,
         seed=args.seed or 0,
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,

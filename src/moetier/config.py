@@ -117,6 +117,11 @@ class OffloadConfig:
     # order). False: every miss is read before fetch returns. The CPU ship gate said SHIP at
     # batch 1 and 4 (bench/results/2026-12-03-gate-late-reads-cpu-trace-b{1,4}.md).
     late_reads: bool = True
+    # The device-resident expert cache (offload/device_cache.py): residency, LRU and miss fills
+    # on the device, so an offloaded decode step is one CUDA graph. Used when one layer's
+    # experts fit the slot pool, the host tier holds every expert and the expert kernels take
+    # the model's experts (else a start-up error); off until the ship gate measures it.
+    device_cache: bool = False
 
     def __post_init__(self) -> None:
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
@@ -132,6 +137,11 @@ GPU_MEMORY_HELP = (
     "one device-memory budget for non-expert weights, a reserve, expert slots and KV blocks: "
     "bytes ('24GiB') or a share of the device ('90%%'; on the CPU: of the host's RAM); the "
     "split is logged at start-up (README: One memory budget)"
+)
+DEVICE_CACHE_HELP = (
+    "keep the expert cache's residency, LRU policy and miss fills on the device (misses read "
+    "from page-locked host RAM by a kernel, no host sync per layer); needs one layer's experts "
+    "to fit the expert budget and the host tier to hold every expert"
 )
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "

@@ -113,6 +113,7 @@ class LLM:
         prefetch_ahead: int = 1,
         threads: int | None = None,
         late_reads: bool = True,
+        device_cache: bool = False,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,
@@ -146,6 +147,7 @@ class LLM:
             prefetch=prefetch,
             prefetch_ahead=prefetch_ahead,
             late_reads=late_reads,
+            device_cache=device_cache,
         )
         if model is None:
             from moetier.demo.builder import ensure_demo_model

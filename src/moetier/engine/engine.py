@@ -125,6 +125,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
             return self._fail(batch.scheduled, exc)
         finally:
+            self.runner.after_step()
             stats.end_step()
         return self._update(batch, *sampled)
 

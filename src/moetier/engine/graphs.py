@@ -5,7 +5,8 @@ Owns the captured graphs, their static input buffers and the rule for when a ste
 never decides what to schedule or how layers compute (it replays the same model forward).
 
 Whole graphs: a decode step qualifies when every scheduled request adds one token and samples,
-every routed expert is resident (the MoE layers look slots up on the device: no routing sync),
+every routed expert is resident or the device cache resolves them (offload/device_cache.py:
+the MoE layers find or fill their slots on the device: no routing sync),
 a kernel (slot or grouped) takes the step's (token, expert) pairs, and no routing observer is
 attached.
 
@@ -119,7 +120,9 @@ class DecodeGraphs:
 
     @property
     def offloaded(self) -> bool:
-        return self.runner.expert_cache.resident_table is None
+        """Some MoE layer call needs the host (no resident table, no device cache)."""
+        cache = self.runner.expert_cache
+        return cache.resident_table is None and cache.device_cache is None
 
     def qualifies(self, batch: SchedulerOutput) -> bool:
         sched = batch.scheduled
@@ -173,7 +176,9 @@ class DecodeGraphs:
             else:
                 g.graphs[0].replay()
                 self.runner.stats.count_device_calls(
-                    key[0] * self.top_k * self.moe_layers, self.moe_layers
+                    key[0] * self.top_k * self.moe_layers,
+                    self.moe_layers,
+                    resident=self.runner.expert_cache.device_cache is None,
                 )
         finally:
             for gate in self.staged:
@@ -242,6 +247,8 @@ class DecodeGraphs:
         device = self.runner.device
         inputs = host.to(device)
         counts = self.runner.stats.save_counts()  # the forwards below count nothing
+        cached = self.runner.expert_cache.device_cache
+        device_counts = None if cached is None else cached.counters.clone()
         splitter = _Splitter(self.pool) if self.offloaded else None
         try:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it computes
@@ -270,11 +277,17 @@ class DecodeGraphs:
             self.failed.add(key)
             torch.cuda.synchronize(device)
             self.runner.stats.restore_counts(counts)  # the eager run of this step counts it
+            if cached is not None and device_counts is not None:
+                cached.counters.copy_(device_counts)
             return None
         finally:
             for block in self.blocks:
                 block.splitter = None
         self.runner.stats.restore_counts(counts)
+        if cached is not None and device_counts is not None:
+            # the warm-up's fills are real but uncounted, like its host counts: the replay that
+            # follows counts this step (as hits)
+            cached.counters.copy_(device_counts)
         self.graphs[key] = g
         log.info(
             "captured decode graph%s: batch %d, %d KV blocks wide",

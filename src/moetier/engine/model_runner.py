@@ -184,6 +184,8 @@ class ModelRunner:
             block.slot_layout = kernel_layout
             block.stream_share = stream
             block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
+        if self.expert_cache.device_cache is not None:
+            self._check_device_cache(config, kernel_layout)
         self.prefetcher = self._build_prefetcher(config)
         # every finished, aborted or failed request reaches end_request (engine.py)
         self.expert_cache.policy.ends_reported()
@@ -240,6 +242,25 @@ class ModelRunner:
         )
         offload = replace(config.offload, expert_budget=split.expert_side)
         return offload, replace(config.cache, num_blocks=split.kv_blocks), split
+
+    def _check_device_cache(self, config: EngineConfig, kernel_layout: Any) -> None:
+        """The device cache resolves every MoE call for the expert kernels: a model whose
+        experts take the per-expert loop, or a prefetcher (host-driven), cannot use it."""
+        loop = [b.layer for b in self.model.moe_blocks() if b.act_name != "silu"]
+        why = None
+        if kernel_layout is None:
+            why = f"no expert kernel reads experts stored as {self.expert_cache.packing.name}"
+        elif loop:
+            why = f"MoE layers {loop} use an activation the expert kernels do not fuse"
+        elif config.offload.prefetch is not None:
+            why = "--prefetch is driven by the host"
+        if why is not None:
+            raise ConfigError(f"--device-cache cannot be used: {why}; drop --device-cache")
+
+    def after_step(self) -> None:
+        """An engine step is done (its tokens read): counters kept on the device reach stats."""
+        if self.expert_cache.device_cache is not None:
+            self.expert_cache.device_cache.drain(self.stats)
 
     def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
         """Next-layer prefetch on the MoE miss path; off when every expert is resident (the

@@ -115,6 +115,16 @@ class MoEBlock(nn.Module):
         if kernel and self.splitter is not None:
             out: torch.Tensor = self.splitter.split(self, x, ids, weights)
             return out
+        cached = provider.device_cache
+        if cached is not None and pairs > 0:
+            # Residency, policy and miss fills on the device (offload/device_cache.py): no
+            # host sync unless an observer wants the ids.
+            if self.route_observer is not None:
+                self.route_observer(self.layer, ids.flatten().tolist(), ids.shape[1])
+            ids, order = ids.sort(dim=-1)
+            slots = cached.resolve(self.layer, ids)
+            provider.count_resident(pairs, resident=False)
+            return self.compute(x, provider.pool, slots, weights.gather(1, order), ids)
         if kernel and provider.resident_table is not None and self.route_observer is None:
             # Every expert is resident: the slot of (layer, expert) is a device table lookup and
             # the host decides nothing, so this layer adds no host sync. (An observer needs the

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from moetier.config import Budget, OffloadConfig, format_bytes, parse_budget
 from moetier.device_memory import allocate
 from moetier.errors import BudgetError
+from moetier.offload.device_cache import DeviceCache
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.stats import OffloadStats
 from moetier.offload.store import HostTier
@@ -98,6 +99,8 @@ def build_tiers(
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)
             cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
+        elif cfg.device_cache:
+            cache.device_cache = _device_cache(cache, layout, plan)
         return cache
 
     cache = allocate(
@@ -120,6 +123,27 @@ def build_tiers(
         format_bytes(plan.routed_bytes),
     )
     return cache, plan
+
+
+def _device_cache(cache: ExpertCache, layout: ExpertLayout, plan: TierPlan) -> DeviceCache:
+    """The device-resident cache over `cache`'s slots and host tier; its needs are errors."""
+    e = layout.num_experts
+    if plan.host_rows < plan.total_experts:
+        raise BudgetError(
+            f"the device expert cache fills misses from host RAM, which must hold every routed "
+            f"expert ({plan.total_experts}; the host budget gives {plan.host_rows} rows): raise "
+            f"--host-budget to all of them (the default on CUDA) or drop --device-cache"
+        )
+    if plan.device_slots < e:
+        raise BudgetError(
+            f"the device expert cache needs one layer's {e} experts to fit the expert budget "
+            f"({plan.device_slots} slots): raise --expert-budget to at least "
+            f"{format_bytes(e * plan.expert_bytes)} or drop --device-cache"
+        )
+    host_row = torch.full((max(layout.layers) + 1, e), -1, dtype=torch.long)
+    for key, row in cache.host.index.items():
+        host_row[key.layer, key.expert] = row
+    return DeviceCache(cache.slots, cache.host.pool, host_row, e, plan.expert_bytes)
 
 
 def _preload_all(cache: ExpertCache, layout: ExpertLayout, progress: bool) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moetier.offload.cancel import cancel, cancel_where, reap_detached
+from moetier.offload.device_cache import DeviceCache
 from moetier.offload.late_reads import finish_late, go_late, settle_late
 from moetier.offload.policy import make_policy
 from moetier.offload.slots import SlotState, SlotTable
@@ -111,6 +112,9 @@ class ExpertCache:
         self._detached: list[Load] = []
         self._last_layer: int | None = None
         self._resident_table: torch.Tensor | None = None
+        # Set by the builder when residency and misses are resolved on the device: then this
+        # object's own slot table stays empty and only the pool, host tier and stats are used.
+        self.device_cache: DeviceCache | None = None
 
     @property
     def intermediate(self) -> int:
@@ -128,8 +132,8 @@ class ExpertCache:
     def resident_table(self) -> torch.Tensor | None:
         return self._resident_table
 
-    def count_resident(self, pairs: int) -> None:
-        self.stats.count_device_calls(pairs)
+    def count_resident(self, pairs: int, resident: bool = True) -> None:
+        self.stats.count_device_calls(pairs, resident=resident)
 
     def count_routed(self, pairs: int, distinct: int) -> None:
         self.stats.count_host_call(pairs, distinct)
@@ -509,3 +513,6 @@ class ExpertCache:
         held = {r: rows.count(r) for r in rows}
         assert held == self.host.held, f"held host rows {self.host.held} != loads' rows {held}"
         self.host.check_integrity()
+        if self.device_cache is not None:
+            assert not self.slot_of, "the host slot table is unused beside the device cache"
+            self.device_cache.check_integrity()

@@ -95,10 +95,12 @@ class OffloadStats:
             self.token_lookups_host_prefill += pairs
             self.distinct_lookups_host_prefill += distinct
 
-    def count_device_calls(self, pairs: int, calls: int = 1) -> None:
-        """`calls` MoE layer calls served by the resident device table (a CUDA-graph replay
-        counts all its layers at once): `pairs` (token, expert) lookups, no host decision."""
-        self.resident_lookups += pairs
+    def count_device_calls(self, pairs: int, calls: int = 1, resident: bool = True) -> None:
+        """`calls` MoE layer calls routed on the device (a CUDA-graph replay counts all its
+        layers at once): `pairs` (token, expert) lookups, no host decision. `resident`: by the
+        all-resident table (else by the device cache, whose hits and misses it counts itself)."""
+        if resident:
+            self.resident_lookups += pairs
         if self._decode:
             self.moe_calls_device_decode += calls
             self.token_lookups_device_decode += pairs

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from moetier.offload.device_cache import DeviceCache
 
 
 class ExpertKey(NamedTuple):
@@ -93,8 +96,15 @@ class ExpertProvider(Protocol):
         is resident for good (then no step needs a host decision); None otherwise."""
         ...
 
-    def count_resident(self, pairs: int) -> None:
-        """Count one layer call: `pairs` (token, expert) lookups served by `resident_table`."""
+    @property
+    def device_cache(self) -> DeviceCache | None:
+        """The device-resident cache (offload/device_cache.py) when it resolves every layer
+        call on the device; None: the host decides misses."""
+        ...
+
+    def count_resident(self, pairs: int, resident: bool = True) -> None:
+        """Count one layer call: `pairs` (token, expert) lookups served by `resident_table`
+        (`resident`) or by `device_cache`."""
         ...
 
     def count_routed(self, pairs: int, distinct: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from moetier.config import (
     DEFAULT_MAX_NUM_SEQS,
+    DEVICE_CACHE_HELP,
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
@@ -62,6 +63,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
                    help="MoE layers ahead to prefetch")  # fmt: skip
+    p.add_argument("--device-cache", action="store_true", help=DEVICE_CACHE_HELP)
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
@@ -191,6 +193,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         policy=args.policy,
         prefetch=args.prefetch,
         prefetch_ahead=args.prefetch_ahead,
+        device_cache=args.device_cache,
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,119 @@
+"""The device-resident expert cache: residency, policy and miss fills on the compute device.
+
+Every MoE layer call resolves its routing to slots without the host: a `[layer, expert] ->
+slot` map, each slot's key and last use, and the policy's victim choice are tensors on the
+device, updated by a fixed sequence of tensor ops (no data-dependent shapes, no host sync), so
+a decode step can be one CUDA graph at any budget. The misses are filled from the host tier,
+which holds every routed expert (page-locked; on CUDA the fill kernel reads it in place,
+kernels/slot_fill.py). The host learns after the step: hits, misses and bytes accumulate in
+device counters that `drain` folds into OffloadStats once per step.
+
+Policy: LRU over slots by a per-call clock, the call's own experts never evicted. Within a call
+the misses, in ascending expert id, take the least recently used slots (empty ones first, then
+by ascending last use, ties by ascending slot id).
+
+Requires that one layer's experts fit the pool (slots >= experts per layer), so any call,
+decode or prefill, resolves in one wave; the engine uses it only then (offload/builder.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.kernels.slot_fill import fill_slots
+from moetier.offload.stats import OffloadStats
+
+# Legend: L MoE layers (by layer index, a table row each), E experts per layer, S slots,
+# T tokens, K experts per token.
+
+
+class DeviceCache:
+    """Slot residency and LRU on the device for a pool of `S` slots over `host_rows`."""
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        host_pool: torch.Tensor,
+        host_row: torch.Tensor,
+        num_experts: int,
+        expert_bytes: int,
+    ) -> None:
+        """pool [S, row] (the device slots), host_pool [R, row] (every expert's packed row),
+        host_row [L, E] int64: each expert's host row (-1 where a layer has no experts)."""
+        num_slots = pool.shape[0]
+        if num_slots < num_experts:
+            raise ValueError(
+                f"the device expert cache needs one layer's {num_experts} experts to fit the "
+                f"pool ({num_slots} slots)"
+            )
+        dev = pool.device
+        self.pool = pool
+        self.host_pool = host_pool
+        self.num_slots = num_slots
+        self.num_experts = num_experts
+        self.expert_bytes = expert_bytes
+        layers = host_row.shape[0]
+        self.host_row = host_row.to(dev).reshape(-1)  # [L*E]
+        self._keys = layers * num_experts  # flat key = layer * E + expert; one pad entry after
+        self.slot_of = torch.full((self._keys + 1,), -1, dtype=torch.int64, device=dev)
+        self.key_of = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=dev)
+        self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        # hits, misses, evictions since the last drain
+        self.counters = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._arange_e = torch.arange(num_experts, device=dev)
+        self._protect = torch.iinfo(torch.int64).max
+
+    def resolve(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, K] (this layer's routing, on the device) -> slots [T, K] int32 holding them,
+        filling the misses first. Queued on the current stream; nothing waits for the device."""
+        e, s = self.num_experts, self.num_slots
+        need = torch.zeros(e, dtype=torch.bool, device=ids.device)
+        need[ids.reshape(-1)] = True  # [E]
+        keys = layer * e + self._arange_e  # [E]
+        cur = self.slot_of[keys]  # [E]
+        hit = need & (cur >= 0)
+        miss = need & (cur < 0)
+        # LRU victims: this call's resident experts are protected; empty slots (-1) go first.
+        score = self.last_use.clone()
+        score.scatter_(0, torch.where(hit, cur, s), self._protect)
+        order = torch.argsort(score[:s], stable=True)  # [S] least recent first
+        rank = (torch.cumsum(miss, 0) - 1).clamp(min=0)  # [E] each miss's victim rank
+        victim = torch.where(miss, order[rank], s)  # [E] slot, or the pad entry
+        old = self.key_of[victim]  # [E] evicted key or -1
+        evict = miss & (old >= 0)
+        self.slot_of.scatter_(0, torch.where(evict, old, self._keys), -1)
+        self.slot_of.scatter_(0, torch.where(miss, keys, self._keys), victim)
+        self.slot_of[self._keys] = -1  # the pad took the non-misses' writes
+        self.key_of.scatter_(0, victim, torch.where(miss, keys, -1))
+        self.key_of[s] = -1
+        now = self.slot_of[keys]  # [E]
+        self.clock += 1
+        self.last_use.scatter_(0, torch.where(need, now, s), self.clock.expand(e))
+        src = torch.where(miss, self.host_row[keys], -1)
+        fill_slots(self.host_pool, self.pool, src, torch.where(miss, victim, -1))
+        self.counters += torch.stack([hit.sum(), miss.sum(), evict.sum()])
+        return now[ids].to(torch.int32)
+
+    def drain(self, stats: OffloadStats) -> None:
+        """Fold the counters since the last drain into `stats` (one device read: call it after
+        the step, where the engine reads its sampled tokens anyway)."""
+        hits, misses, evictions = self.counters.tolist()
+        self.counters.zero_()
+        stats.requests += hits + misses
+        stats.device_hits += hits
+        stats.host_hits += misses
+        stats.evictions += evictions
+        stats.bytes_host_to_device += misses * self.expert_bytes
+
+    def resident(self) -> dict[int, int]:
+        """{flat key: slot} of every resident expert (tests and integrity checks)."""
+        keys = self.key_of[: self.num_slots].tolist()
+        return {k: slot for slot, k in enumerate(keys) if k >= 0}
+
+    def check_integrity(self) -> None:
+        """slot_of and key_of are inverse maps; the pad entries are untouched."""
+        slot_of = self.slot_of[: self._keys].tolist()
+        held = {k: s for k, s in enumerate(slot_of) if s >= 0}
+        assert held == self.resident(), "slot map and slot keys disagree"
+        assert int(self.slot_of[self._keys]) == -1 and int(self.key_of[self.num_slots]) == -1

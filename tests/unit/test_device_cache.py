@@ -1,0 +1,74 @@
+"""offload/device_cache.py: residency and LRU resolved with tensor ops (here on the CPU), exact
+slots and eviction order; kernels/slot_fill.py's Triton kernel equals indexing (interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.offload.device_cache import DeviceCache
+from moetier.offload.stats import OffloadStats
+from tests.unit.test_expert_ffn import _run_in_interpreter
+
+L, E, S, ROW = 2, 4, 4, 3
+
+
+def _cache() -> DeviceCache:
+    host = torch.arange(L * E, dtype=torch.float32)[:, None].repeat(1, ROW) + 1  # row k = k + 1
+    host_row = torch.arange(L * E).view(L, E)
+    return DeviceCache(torch.zeros(S, ROW), host, host_row, E, expert_bytes=12)
+
+
+def _resolve(cache: DeviceCache, layer: int, ids: list[list[int]]) -> list[list[int]]:
+    return cache.resolve(layer, torch.tensor(ids)).tolist()
+
+
+def test_lru_slots_and_eviction_order() -> None:
+    cache = _cache()
+    assert _resolve(cache, 0, [[0, 1]]) == [[0, 1]]  # misses take empty slots, ascending
+    assert _resolve(cache, 1, [[2, 3], [3, 2]]) == [[2, 3], [3, 2]]  # keys 6, 7
+    # key 1 hits (slot 1, protected); key 3 misses: slots 0 and 1 are least recent (call 1),
+    # ties by slot id -> slot 0, evicting key 0
+    assert _resolve(cache, 0, [[1, 3]]) == [[1, 0]]
+    assert cache.resident() == {3: 0, 1: 1, 6: 2, 7: 3}
+    # keys 6, 7 hit; 4, 5 miss into slots 0 then 1 (both last used by call 3), evicting 3, 1
+    assert _resolve(cache, 1, [[0, 1, 2, 3]]) == [[0, 1, 2, 3]]
+    assert cache.resident() == {4: 0, 5: 1, 6: 2, 7: 3}
+    for key, slot in cache.resident().items():
+        assert torch.equal(cache.pool[slot], torch.full((ROW,), key + 1.0))
+    cache.check_integrity()
+    stats = OffloadStats()
+    cache.drain(stats)
+    assert (stats.requests, stats.device_hits, stats.host_hits, stats.evictions) == (10, 3, 7, 3)
+    assert stats.bytes_host_to_device == 7 * 12
+    cache.drain(stats)  # counters were reset
+    assert stats.requests == 10
+
+
+def test_pool_smaller_than_a_layer_is_refused() -> None:
+    with pytest.raises(ValueError, match="4 experts to fit the pool \\(3 slots\\)"):
+        DeviceCache(torch.zeros(3, ROW), torch.zeros(L * E, ROW), torch.zeros(L, E), E, 12)
+
+
+_FILL = """
+import torch
+from moetier.kernels.slot_fill import fill_slots
+g = torch.Generator().manual_seed(0)
+for dtype, row in ((torch.bfloat16, 40), (torch.uint8, 96), (torch.float32, 7)):
+    host = (torch.randn(6, row, generator=g) * 50).to(dtype)
+    pool = torch.zeros(5, row, dtype=dtype)
+    want = pool.clone()
+    src = torch.tensor([-1, 4, 0, -1, 2])
+    dst = torch.tensor([-1, 3, 0, -1, 1])
+    for s, d in zip(src.tolist(), dst.tolist()):
+        if s >= 0:
+            want[d] = host[s]
+    fill_slots(host, pool, src, dst)
+    assert torch.equal(pool, want), dtype
+print("ok")
+"""
+
+
+def test_fill_kernel_in_interpreter() -> None:
+    pytest.importorskip("triton")
+    _run_in_interpreter(_FILL)
