@@ -13,10 +13,10 @@ from tests.unit.test_expert_ffn import _run_in_interpreter
 L, E, S, ROW = 2, 4, 4, 3
 
 
-def _cache() -> DeviceCache:
+def _cache(policy: str = "lru") -> DeviceCache:
     host = torch.arange(L * E, dtype=torch.float32)[:, None].repeat(1, ROW) + 1  # row k = k + 1
     host_row = torch.arange(L * E).view(L, E)
-    return DeviceCache(torch.zeros(S, ROW), host, host_row, E, expert_bytes=12)
+    return DeviceCache(torch.zeros(S, ROW), host, host_row, E, 12, policy)
 
 
 def _resolve(cache: DeviceCache, layer: int, ids: list[list[int]]) -> list[list[int]]:
@@ -43,6 +43,25 @@ def test_lru_slots_and_eviction_order() -> None:
     assert stats.bytes_host_to_device == 7 * 12
     cache.drain(stats)  # counters were reset
     assert stats.requests == 10
+
+
+@pytest.mark.parametrize(("policy", "third"), [("lru", 1), ("layer-lru", 0)])
+def test_layer_quota_evicts_the_layer_over_its_quota(policy: str, third: int) -> None:
+    cache = _cache(policy)  # 4 slots, 2 layers: a quota of 2 each
+    assert _resolve(cache, 0, [[0, 1, 2]]) == [[0, 1, 2]]
+    # the empty slot first, then the least recent: slot 0 (layer 0, over its quota by one)
+    assert _resolve(cache, 1, [[0, 1]]) == [[3, 0]]  # keys 4, 5
+    # key 6: LRU takes layer 0's least recent slot (1); the quota takes layer 1's own least
+    # recent (slot 0), layer 1 being over its quota with this miss and layer 0 at it
+    assert _resolve(cache, 1, [[2]]) == [[third]]
+    evicted = 1 if policy == "lru" else 5
+    assert evicted not in cache.resident() and len(cache.resident()) == 4
+    cache.check_integrity()
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown device cache policy 'mru'"):
+        _cache("mru")
 
 
 def test_pool_smaller_than_a_layer_is_refused() -> None:

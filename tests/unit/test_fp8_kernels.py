@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.kernels.slot_layout import dense_layout, slot_layout
+from moetier.kernels.slot_layout import FP8, dense_layout, layer_layout, slot_layout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, Fp8BlockCodec
 from tests.models.fp8 import quantize_blocks
 from tests.unit.test_expert_ffn import _run_in_interpreter
@@ -16,20 +16,36 @@ from tests.unit.test_expert_ffn import _run_in_interpreter
 def test_fp8_slot_layout_offsets() -> None:
     codec = Fp8BlockCodec((16, 16))
     fmt = ExpertFormat(ExpertShape(72, 40), torch.bfloat16, (codec,) * 3)
-    layout = slot_layout(ExpertPacking({1: fmt, 2: fmt}))
-    assert layout is not None and layout.fp8 and layout.block == (16, 16)
+    layouts = slot_layout(ExpertPacking({1: fmt, 2: fmt}))
+    assert layouts is not None and layouts[1] == layouts[2]
+    layout = layouts[1]
+    assert layout.gate_up_format == layout.down_format == FP8 and layout.block == (16, 16)
     part = 40 * 72 + 4 * 3 * 5  # values, then 3 x 5 float32 scales (aligned: 2880 + 60 -> 2944)
     assert fmt.part_bytes == (2944, 2944, 2944) and part == 2940
     assert (layout.up, layout.down, layout.scales) == (2944, 2 * 2944, 2880)
-    assert dense_layout(72, 40) == slot_layout(
-        ExpertPacking({1: ExpertFormat(ExpertShape(72, 40), torch.bfloat16)})
-    )
+    assert dense_layout(72, 40) == layer_layout(ExpertFormat(ExpertShape(72, 40), torch.bfloat16))
 
 
-def test_no_kernel_for_mixed_layers() -> None:
-    a = ExpertFormat(ExpertShape(72, 40), torch.bfloat16, (Fp8BlockCodec((16, 16)),) * 3)
-    b = ExpertFormat(ExpertShape(72, 40), torch.bfloat16, (Fp8BlockCodec((32, 32)),) * 3)
-    assert slot_layout(ExpertPacking({1: a, 2: b})) is None
+class _Unread:
+    """A format no kernel reads."""
+
+    name = "int3"
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        return rows * cols
+
+    def decode(self, raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def test_layouts_per_layer_and_none_for_an_unread_format() -> None:
+    shape = ExpertShape(72, 40)
+    a = ExpertFormat(shape, torch.bfloat16, (Fp8BlockCodec((16, 16)),) * 3)
+    b = ExpertFormat(shape, torch.bfloat16, (Fp8BlockCodec((32, 32)),) * 3)
+    layouts = slot_layout(ExpertPacking({1: a, 2: b}))
+    assert layouts is not None and (layouts[1].block, layouts[2].block) == ((16, 16), (32, 32))
+    c = ExpertFormat(shape, torch.bfloat16, (_Unread(),) * 3)
+    assert slot_layout(ExpertPacking({1: a, 2: c})) is None
 
 
 _FP8_KERNELS = """
@@ -46,7 +62,7 @@ codec = Fp8BlockCodec((16, 16))
 for dtype in (torch.float32, torch.bfloat16):
     fmt = ExpertFormat(ExpertShape(d, i), dtype, (codec,) * 3)
     packing = ExpertPacking({0: fmt})
-    layout = slot_layout(packing)
+    layout = slot_layout(packing)[0]
     pool = torch.zeros(s, packing.numel, dtype=torch.uint8)
     dense = torch.empty(s, 3 * i * d, dtype=dtype)
     for slot in range(s):

@@ -181,7 +181,7 @@ class ModelRunner:
             block.num_experts = self.num_experts
             block.grouped_kernel = grouped
             block.slot_kernel_max_pairs = slot_kernel
-            block.slot_layout = kernel_layout
+            block.slot_layout = None if kernel_layout is None else kernel_layout[block.layer]
             block.stream_share = stream
             block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
         if self.expert_cache.device_cache is not None:

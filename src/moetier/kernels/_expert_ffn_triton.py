@@ -35,7 +35,7 @@ def _gate_up_act(
     S_OFF,
     BR,
     BC,
-    FP8: tl.constexpr,
+    FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -55,8 +55,8 @@ def _gate_up_act(
         xv = tl.load(x_ptr + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
         m2 = rmask[:, None] & cmask[None, :]
         r, c = rows[:, None], cols[None, :]
-        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt).to(tl.float32)  # [BN, BK]
-        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt).to(tl.float32)
+        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt).to(tl.float32)  # [BN, BK]
+        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt).to(tl.float32)
         acc_g += tl.sum(wg * xv[None, :], axis=1)
         acc_u += tl.sum(wu * xv[None, :], axis=1)
     g = acc_g.to(dt).to(tl.float32)
@@ -80,7 +80,7 @@ def _down_combine(
     S_OFF,
     BR,
     BC,
-    FP8: tl.constexpr,
+    FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -100,7 +100,7 @@ def _down_combine(
             cmask = cols < NI
             hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
             m2 = rmask[:, None] & cmask[None, :]
-            wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FP8)
+            wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FMT)
             wd = wd.to(dt).to(tl.float32)  # [BN, BK]
             acc += tl.sum(wd * hv[None, :], axis=1)
         w = tl.load(w_ptr + p).to(tl.float32)
@@ -123,7 +123,7 @@ def _down_pair(
     S_OFF,
     BR,
     BC,
-    FP8: tl.constexpr,
+    FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -142,7 +142,7 @@ def _down_pair(
         cmask = cols < NI
         hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
         m2 = rmask[:, None] & cmask[None, :]
-        wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FP8)
+        wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FMT)
         wd = wd.to(dt).to(tl.float32)
         acc += tl.sum(wd * hv[None, :], axis=1)
     w = tl.load(w_ptr + p).to(tl.float32)
@@ -220,7 +220,8 @@ def gate_up(
         inter,
         pool.stride(0),
         layout.up,
-        *_fp8_args(layout),
+        *_scale_args(layout),
+        layout.gate_up_format,
         BLOCK_N=cfg.up_bn,
         BLOCK_K=cfg.up_bk,
         num_warps=cfg.up_warps,
@@ -246,7 +247,7 @@ def down(
         num_stages=cfg.down_stages,
     )  # fmt: skip
     rows = triton.cdiv(d, cfg.down_bn)
-    at = (pool.stride(0), layout.down, *_fp8_args(layout))
+    at = (pool.stride(0), layout.down, *_scale_args(layout), layout.down_format)
     if cfg.split_down:
         y = torch.empty(t * k, d, dtype=out.dtype, device=out.device)  # [P, D]
         _down_pair[(t * k, rows)](h, pool, slots, weights, y, d, inter, *at, **tile)
@@ -255,9 +256,9 @@ def down(
         _down_combine[(t, rows)](h, pool, slots, weights, out, k, d, inter, *at, **tile)
 
 
-def _fp8_args(layout: SlotLayout) -> tuple[int, int, int, bool]:
-    """S_OFF, BR, BC, FP8 of a layout (placeholders when dense: the branch is compiled out)."""
-    return layout.scales, layout.block[0], layout.block[1], layout.fp8
+def _scale_args(layout: SlotLayout) -> tuple[int, int, int]:
+    """S_OFF, BR, BC of a layout (FP8's scales; placeholders otherwise, never read)."""
+    return layout.scales, layout.block[0], layout.block[1]
 
 
 def expert_ffn_triton(

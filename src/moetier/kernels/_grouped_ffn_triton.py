@@ -41,7 +41,7 @@ def _grouped_gate_up(
     S_OFF,
     BR,
     BC,
-    FP8: tl.constexpr,
+    FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,8 +72,8 @@ def _grouped_gate_up(
         )  # [BM, BK]
         r, c = rows_n[None, :], cols[:, None]  # [BK, BN]: weight (n, k)
         m2 = cmask[:, None] & nmask[None, :]
-        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt)
-        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FP8).to(dt)
+        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt)
+        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt)
         if IEEE:  # float32 operands (an fp32 model, or bf16 upcast for the CPU interpreter)
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
@@ -107,7 +107,7 @@ def _grouped_down(
     S_OFF,
     BR,
     BC,
-    FP8: tl.constexpr,
+    FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -136,7 +136,7 @@ def _grouped_down(
             other=0.0,
         )  # [BM, BK]
         m2 = cmask[:, None] & nmask[None, :]
-        wd = weight_tile(base, rows_n[None, :], cols[:, None], m2, NI, S_OFF, BR, BC, FP8)
+        wd = weight_tile(base, rows_n[None, :], cols[:, None], m2, NI, S_OFF, BR, BC, FMT)
         wd = wd.to(dt)  # [BK, BN]: down (n, k)
         if IEEE:
             ha, wd = ha.to(tl.float32), wd.to(tl.float32)
@@ -314,16 +314,18 @@ def grouped_ffn_triton(
     # so there the operands are upcast (bf16 products are exact in fp32 either way)
     ieee = x.dtype == torch.float32 or not x.is_cuda
     layout = layout or dense_layout(d, inter)
-    fp8 = (layout.scales, layout.block[0], layout.block[1], layout.fp8)
+    scales = (layout.scales, layout.block[0], layout.block[1])
     h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
     _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
-        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *fp8,
+        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *scales,
+        layout.gate_up_format,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=cfg.up_bk, IEEE=ieee,
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
     _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
-        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *fp8,
+        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *scales,
+        layout.down_format,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, IEEE=ieee,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip

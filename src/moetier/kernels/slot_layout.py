@@ -2,10 +2,15 @@
 expert kernels (expert_ffn.py, grouped_ffn.py) need to read a slot in place.
 
 Dense (the compute dtype): gate [I, D] at 0, up [I, D] at I*D, down [D, I] at 2*I*D elements.
-FP8 e4m3 with block scales (weights/formats.py `Fp8BlockCodec`): the pool is bytes; each matrix
-is its values row-major followed, `scales` bytes after its start, by one float32 per block of
-`block` = (rows, cols). Every other compressed format has no kernel: `slot_layout` returns None
-and its experts take the per-expert loop, decoded one at a time.
+Compressed (the pool is bytes; weights/formats.py): gate at 0, up and down at their parts'
+offsets, each matrix in one of the block formats the tile loader decodes in registers
+(kernels/_slot_tiles_triton.py `weight_tile`, by format code):
+- FP8 e4m3 with float32 block scales (`Fp8BlockCodec`): the values row-major, then from
+  `scales` bytes after the matrix's start one scale per `block` (rows, cols);
+- GGUF Q8_0, Q4_K, Q5_K, Q6_K (weights/gguf_quants.py): each row the file's blocks as stored.
+Gate and up share a format; down may differ (a Q4_K_M file stores some layers' down in Q6_K),
+so the layout is per MoE layer. Any other format has no kernel: `slot_layout` returns None and
+that layer's experts take the per-expert loop, decoded one at a time.
 """
 
 from __future__ import annotations
@@ -15,40 +20,68 @@ from dataclasses import dataclass
 
 import torch
 
-from moetier.weights.formats import ExpertPacking, Fp8BlockCodec
+from moetier.weights.formats import ExpertFormat, ExpertPacking, Fp8BlockCodec, MatrixCodec
+
+# Format codes of weight_tile (constexpr in the kernels).
+DENSE, FP8, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4, 5
+_GGUF = {"gguf-q8_0": Q8_0, "gguf-q4_k": Q4_K, "gguf-q5_k": Q5_K, "gguf-q6_k": Q6_K}
 
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Offsets in pool elements of up and down from a slot row's start (gate is at 0). FP8:
-    `scales` is each matrix's scale offset from its own start, `block` its scale block, and
-    `split` decodes one row to dense (gate_up [2I, D], down [D, I]) for the references."""
+    """Offsets in pool elements of up and down from a slot row's start (gate is at 0), the
+    format codes of gate/up and of down, and for FP8 the scales' offset within a matrix and
+    its block. `split` decodes one row to dense (gate_up [2I, D], down [D, I]) for the
+    references (compressed formats only)."""
 
     up: int
     down: int
-    fp8: bool = False
+    gate_up_format: int = DENSE
+    down_format: int = DENSE
     scales: int = 0
     block: tuple[int, int] = (128, 128)
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.gate_up_format != DENSE
 
 
 def dense_layout(hidden: int, inter: int) -> SlotLayout:
     return SlotLayout(up=inter * hidden, down=2 * inter * hidden)
 
 
-def slot_layout(packing: ExpertPacking) -> SlotLayout | None:
-    """The kernels' view of `packing`'s slots, or None when no kernel reads them (a compressed
-    format other than FP8, or layers stored in different formats)."""
-    shape = packing.shape
-    if not packing.compressed:
+def _code(codec: MatrixCodec) -> int | None:
+    if isinstance(codec, Fp8BlockCodec):
+        return FP8
+    return _GGUF.get(codec.name)
+
+
+def layer_layout(fmt: ExpertFormat) -> SlotLayout | None:
+    """The kernels' view of one layer's slots, or None when no kernel reads its format."""
+    shape = fmt.shape
+    if fmt.codecs is None:
         return dense_layout(shape.hidden, shape.intermediate)
-    formats = list(packing.formats.values())
-    first = formats[0]
-    if any(f != first for f in formats) or first.codecs is None:
+    gate, up, down = fmt.codecs
+    codes = [_code(c) for c in fmt.codecs]
+    if None in codes or gate != up:
         return None
-    codec = first.codecs[0]
-    if not isinstance(codec, Fp8BlockCodec) or any(c != codec for c in first.codecs):
+    fp8 = [c for c in fmt.codecs if isinstance(c, Fp8BlockCodec)]
+    if fp8 and (len(fp8) != 3 or len(set(fp8)) != 1):
+        return None  # FP8 mixed with another format, or two FP8 block sizes
+    g, u, _ = fmt.part_bytes
+    scales, block = 0, (128, 128)
+    if fp8:
+        scales = fp8[0].scale_offset(shape.intermediate, shape.hidden)  # the same for [D, I]
+        block = fp8[0].block
+    gu_code, down_code = codes[0], codes[2]
+    assert gu_code is not None and down_code is not None
+    return SlotLayout(g, g + u, gu_code, down_code, scales, block, fmt.split)
+
+
+def slot_layout(packing: ExpertPacking) -> dict[int, SlotLayout] | None:
+    """Each MoE layer's kernel layout, or None when some layer's format has no kernel."""
+    layouts = {layer: layer_layout(f) for layer, f in packing.formats.items()}
+    if any(v is None for v in layouts.values()):
         return None
-    gate, up, _ = first.part_bytes
-    scales = codec.scale_offset(shape.intermediate, shape.hidden)  # the same for down [D, I]
-    return SlotLayout(gate, gate + up, True, scales, codec.block, first.split)
+    return {k: v for k, v in layouts.items() if v is not None}

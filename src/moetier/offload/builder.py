@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from moetier.config import Budget, OffloadConfig, format_bytes, parse_budget
 from moetier.device_memory import allocate
-from moetier.errors import BudgetError
+from moetier.errors import BudgetError, ConfigError
+from moetier.offload.device_cache import POLICIES as DEVICE_POLICIES
 from moetier.offload.device_cache import DeviceCache
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.stats import OffloadStats
@@ -100,7 +101,7 @@ def build_tiers(
             _preload_all(cache, layout, progress)
             cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         elif cfg.device_cache:
-            cache.device_cache = _device_cache(cache, layout, plan)
+            cache.device_cache = _device_cache(cache, layout, plan, cfg)
         return cache
 
     cache = allocate(
@@ -125,7 +126,9 @@ def build_tiers(
     return cache, plan
 
 
-def _device_cache(cache: ExpertCache, layout: ExpertLayout, plan: TierPlan) -> DeviceCache:
+def _device_cache(
+    cache: ExpertCache, layout: ExpertLayout, plan: TierPlan, cfg: OffloadConfig
+) -> DeviceCache:
     """The device-resident cache over `cache`'s slots and host tier; its needs are errors."""
     e = layout.num_experts
     if plan.host_rows < plan.total_experts:
@@ -143,7 +146,12 @@ def _device_cache(cache: ExpertCache, layout: ExpertLayout, plan: TierPlan) -> D
     host_row = torch.full((max(layout.layers) + 1, e), -1, dtype=torch.long)
     for key, row in cache.host.index.items():
         host_row[key.layer, key.expert] = row
-    return DeviceCache(cache.slots, cache.host.pool, host_row, e, plan.expert_bytes)
+    if cfg.policy not in DEVICE_POLICIES:
+        raise ConfigError(
+            f"the device expert cache runs the policies {', '.join(DEVICE_POLICIES)}, not "
+            f"{cfg.policy!r}: pick one with --policy or drop --device-cache"
+        )
+    return DeviceCache(cache.slots, cache.host.pool, host_row, e, plan.expert_bytes, cfg.policy)
 
 
 def _preload_all(cache: ExpertCache, layout: ExpertLayout, progress: bool) -> None:

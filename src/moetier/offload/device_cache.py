@@ -8,9 +8,14 @@ which holds every routed expert (page-locked; on CUDA the fill kernel reads it i
 kernels/slot_fill.py). The host learns after the step: hits, misses and bytes accumulate in
 device counters that `drain` folds into OffloadStats once per step.
 
-Policy: LRU over slots by a per-call clock, the call's own experts never evicted. Within a call
-the misses, in ascending expert id, take the least recently used slots (empty ones first, then
-by ascending last use, ties by ascending slot id).
+Policies (the call's own resident experts are never evicted; within a call the misses, in
+ascending expert id, take the victims in the policy's order, ties by ascending slot id):
+- `lru`: empty slots first, then by ascending last use (a per-call clock).
+- `layer-lru`: each MoE layer may keep `slots // layers` experts; empty slots first, then the
+  least recent slots of layers over their quota (only as many of each as it is over; the
+  calling layer counts its misses as joining it), then everything else by last use. With one
+  global LRU pool a step whose experts exceed the pool evicts exactly what the next layers
+  need (hit rate 0 at batch 16); the quota keeps each layer's most recent experts.
 
 Requires that one layer's experts fit the pool (slots >= experts per layer), so any call,
 decode or prefill, resolves in one wave; the engine uses it only then (offload/builder.py).
@@ -22,6 +27,9 @@ import torch
 
 from moetier.kernels.slot_fill import fill_slots
 from moetier.offload.stats import OffloadStats
+
+POLICIES = ("lru", "layer-lru")
+_SPAN = 1 << 40  # above any last use: a score's priority band
 
 # Legend: L MoE layers (by layer index, a table row each), E experts per layer, S slots,
 # T tokens, K experts per token.
@@ -37,9 +45,14 @@ class DeviceCache:
         host_row: torch.Tensor,
         num_experts: int,
         expert_bytes: int,
+        policy: str = "lru",
     ) -> None:
         """pool [S, row] (the device slots), host_pool [R, row] (every expert's packed row),
         host_row [L, E] int64: each expert's host row (-1 where a layer has no experts)."""
+        if policy not in POLICIES:
+            raise ValueError(
+                f"unknown device cache policy {policy!r}; choose from {', '.join(POLICIES)}"
+            )
         num_slots = pool.shape[0]
         if num_slots < num_experts:
             raise ValueError(
@@ -53,6 +66,10 @@ class DeviceCache:
         self.num_experts = num_experts
         self.expert_bytes = expert_bytes
         layers = host_row.shape[0]
+        self.policy = policy
+        self.num_layers = layers
+        moe_layers = int((host_row >= 0).any(dim=1).sum())
+        self.quota = num_slots // max(moe_layers, 1)
         self.host_row = host_row.to(dev).reshape(-1)  # [L*E]
         self._keys = layers * num_experts  # flat key = layer * E + expert; one pad entry after
         self.slot_of = torch.full((self._keys + 1,), -1, dtype=torch.int64, device=dev)
@@ -74,10 +91,9 @@ class DeviceCache:
         cur = self.slot_of[keys]  # [E]
         hit = need & (cur >= 0)
         miss = need & (cur < 0)
-        # LRU victims: this call's resident experts are protected; empty slots (-1) go first.
-        score = self.last_use.clone()
-        score.scatter_(0, torch.where(hit, cur, s), self._protect)
-        order = torch.argsort(score[:s], stable=True)  # [S] least recent first
+        score = self._score(layer, miss)
+        score.scatter_(0, torch.where(hit, cur, s), self._protect)  # this call's hits stay
+        order = torch.argsort(score[:s], stable=True)  # [S] first victims first
         rank = (torch.cumsum(miss, 0) - 1).clamp(min=0)  # [E] each miss's victim rank
         victim = torch.where(miss, order[rank], s)  # [E] slot, or the pad entry
         old = self.key_of[victim]  # [E] evicted key or -1
@@ -94,6 +110,32 @@ class DeviceCache:
         fill_slots(self.host_pool, self.pool, src, torch.where(miss, victim, -1))
         self.counters += torch.stack([hit.sum(), miss.sum(), evict.sum()])
         return now[ids].to(torch.int32)
+
+    def _score(self, layer: int, miss: torch.Tensor) -> torch.Tensor:
+        """[S + 1] eviction order key per slot, lowest first (the pad entry last)."""
+        if self.policy == "lru":
+            return self.last_use.clone()  # empty slots hold -1: first
+        s, e, pad = self.num_slots, self.num_experts, self.num_layers
+        key = self.key_of[:s]
+        layer_of = torch.where(key >= 0, key // e, pad)  # [S], empty -> the pad layer
+        counts = torch.bincount(layer_of, minlength=pad + 1)  # [L + 1]
+        over = counts - self.quota
+        over[layer] += miss.sum()  # the caller's misses join its layer
+        over[pad] = 0
+        # each slot's rank among its layer's slots, least recent first
+        by_layer = torch.argsort(layer_of * _SPAN + self.last_use[:s] + 1, stable=True)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(by_layer)
+        rank[by_layer] = torch.arange(s, device=key.device) - start[layer_of[by_layer]]
+        excess = rank < over[layer_of]
+        prio = torch.where(key < 0, 0, torch.where(excess, 1, 2))  # [S]
+        # within the band of layers at or under quota, the most recent use goes first: in a
+        # step's layer order the layer just visited is the one needed last
+        age = torch.where(prio == 2, _SPAN - 1 - self.last_use[:s], self.last_use[:s] + 1)
+        score = torch.empty_like(self.last_use)
+        score[:s] = prio * _SPAN + age
+        score[s] = self._protect
+        return score
 
     def drain(self, stats: OffloadStats) -> None:
         """Fold the counters since the last drain into `stats` (one device read: call it after
