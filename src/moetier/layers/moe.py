@@ -262,9 +262,8 @@ class MoEBlock(nn.Module):
             batch.ready(i)
             a, b = spans[i]
             tok = None if one else tokens[a:b]
-            h = F.linear(x if tok is None else x[tok], gate_ups[i])  # [n, 2I]
-            g, u = h.chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, downs[i])  # [n, D]
+            rows = x if tok is None else x[tok]
+            y = self.expert_mlp(rows, gate_ups[i], downs[i], batch.experts[i])  # [n, D]
             if tok is None:
                 term = (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:
@@ -275,6 +274,15 @@ class MoEBlock(nn.Module):
                 _add(out, tok, term)
         for i in sorted(held):
             _add(out, *held[i])
+
+    def expert_mlp(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int
+    ) -> torch.Tensor:
+        """One expert on its tokens' rows (the per-expert loop): x [n, D], gate_up [2I, D]
+        (gate rows, then up rows), down [D, I] -> [n, D]. A family whose experts compute
+        otherwise (gpt-oss: biases and a clamped SwiGLU) overrides it and turns the kernels off."""
+        g, u = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act(g) * u, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x)
