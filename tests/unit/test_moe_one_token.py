@@ -1,7 +1,8 @@
 """The one-token CPU loop of the MoE block (layers/moe.py) equals the per-pair loop bit for bit:
 the same products and the same adds in the same (ascending expert) order. With late reads the
 loop computes the experts in place first, waits for each late one before reading its weights,
-and still adds the terms in ascending expert order (bit-equal again)."""
+and still adds the terms in ascending expert order (bit-equal again); it splits (decodes, for
+a compressed format) each expert only once its read is done."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from moetier.layers.moe import MoEBlock
 
 
 def _batch(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> SimpleNamespace:
-    """The parts of an ExpertBatch the loop reads, no late reads."""
+    """The parts of an ExpertBatch the loop reads, no late reads: slot i of the pool holds
+    expert i's (gate_up, down), which the identity `split` hands back."""
     n = len(gate_up)
     return SimpleNamespace(
-        gate_up=gate_up,
-        down=down,
+        pool=list(zip(gate_up, down)),
+        slots=list(range(n)),
+        experts=list(range(n)),  # ids the expert_mlp hook gets (the default ignores them)
+        split=lambda part: part,
         late={},
         compute_order=lambda: list(range(n)),
         ready=lambda i: None,
@@ -28,7 +32,8 @@ def _batch(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> SimpleNames
 
 class LateBatch:
     """Experts whose weights arrive only when `ready(i)` is called (NaN until then), as with
-    late reads; records the order of the calls."""
+    late reads; records the order of the calls. Splitting (decoding) an expert before it is
+    ready is an error: a compressed expert would be decoded from bytes not yet read."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], late: set) -> None:
         self.want = list(zip(gate_up, down))
@@ -39,6 +44,12 @@ class LateBatch:
             self.gate_up[i].fill_(float("nan"))
             self.down[i].fill_(float("nan"))
         self.calls: list[int] = []
+        self.slots = self.experts = list(range(len(gate_up)))
+        self.pool = self.slots  # split(pool[slot]) gets the slot
+
+    def split(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert slot not in self.late, f"expert {slot} split before its read was done"
+        return self.gate_up[slot], self.down[slot]
 
     def compute_order(self) -> list[int]:
         n = len(self.gate_up)

@@ -106,9 +106,7 @@ def _sdpa(
     """q [B, H, q, dk], k [B, Hkv, L, dk], v [B, Hkv, L, dv], bool mask broadcast to
     [B, H, q, L] -> [B, H, q, dv]: SDPA, or the sink-aware softmax when `sinks` is set."""
     if sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return _sink_attention(q, k, v, mask, scale, sinks)
 
 

@@ -256,14 +256,16 @@ class MoEBlock(nn.Module):
         ascending expert order."""
         one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
         pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
-        gate_ups, downs = batch.gate_up, batch.down
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # late batches only
         for i in batch.compute_order():
             batch.ready(i)
+            # Split only once its read is done: a compressed expert is decoded here, so its
+            # bytes must be in place (dense experts are views either way).
+            gate_up, down = batch.split(batch.pool[batch.slots[i]])
             a, b = spans[i]
             tok = None if one else tokens[a:b]
             rows = x if tok is None else x[tok]
-            y = self.expert_mlp(rows, gate_ups[i], downs[i], batch.experts[i])  # [n, D]
+            y = self.expert_mlp(rows, gate_up, down, batch.experts[i])  # [n, D]
             if tok is None:
                 term = (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:

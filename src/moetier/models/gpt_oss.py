@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import UnsupportedModelError
+from moetier.layers.context import ForwardContext
 from moetier.layers.gpt_oss_attention import GptOssAttention
 from moetier.layers.moe import MoEBlock, moe_config
-from moetier.models.base import CausalLM, DecoderLayer
+from moetier.models.base import CausalLM
 from moetier.models.registry import Family, register
 
 # Legend: T tokens, E experts, K top-k, D hidden, I expert intermediate, n an expert's rows.
@@ -115,12 +116,20 @@ class GptOssMoE(MoEBlock):
         return F.linear((u + 1) * glu, down) + self.experts.down_proj_bias[expert]
 
 
-class GptOssDecoderLayer(DecoderLayer):
+class GptOssDecoderLayer(nn.Module):
+    """Pre-norm residual block (HF's GptOssDecoderLayer), named as in the checkpoint."""
+
     def __init__(self, config: Any, layer: int) -> None:
-        super().__init__(config, GptOssAttention(config, layer), GptOssMoE(layer, config))
+        super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = GptOssAttention(config, layer)
+        self.mlp = GptOssMoE(layer, config)
         self.input_layernorm = GptOssRMSNorm(d, eps)
         self.post_attention_layernorm = GptOssRMSNorm(d, eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def quant_method(config: Any) -> str | None:
@@ -144,7 +153,9 @@ def _check(config: Any) -> None:
 
 def build(config: Any) -> CausalLM:
     _check(config)
-    layers = [GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+    layers: list[nn.Module] = [
+        GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+    ]
     model = CausalLM(config, layers)
     model.model.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
     return model

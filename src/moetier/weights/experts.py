@@ -89,9 +89,7 @@ class ExpertLayout:
             gate_up, down = f"{base}.gate_up_proj", f"{base}.down_proj"
             if f"{gate_up}_blocks" in self.ckpt:
                 self._check_mxfp4(gate_up, down)
-                return _LayerSource(
-                    True, (gate_up, down), mxfp4=True, interleaved=self.interleaved
-                )
+                return _LayerSource(True, (gate_up, down), mxfp4=True, interleaved=self.interleaved)
             for gate_up in (f"{base}.gate_up_proj", f"{base}.gate_up_proj.weight"):
                 down = gate_up.replace("gate_up_proj", "down_proj")
                 if gate_up in self.ckpt and down in self.ckpt:

@@ -17,7 +17,10 @@ from moetier.weights.formats import register_codec
 
 GROUP = 32  # values per scale
 # E2M1 values by nibble: sign bit 3, then exponent and mantissa.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    *(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
+    *(-0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0),
+)
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -67,7 +70,8 @@ class Mxfp4Codec:
         return torch.ldexp(values, exps[..., None]).view(rows, cols).to(dtype)
 
 
-MXFP4 = register_codec(Mxfp4Codec())
+MXFP4 = Mxfp4Codec()
+register_codec(MXFP4)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
