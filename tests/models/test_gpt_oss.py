@@ -248,3 +248,20 @@ def test_missing_mxfp4_scales_named(mxfp4: Path, tmp_path: Path) -> None:
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj_scales"):
         LLM(str(dst), device="cpu", dtype="float32", progress=False)
+
+
+def test_sink_attention_in_query_chunks(dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long prompt's sink attention runs in query chunks (here of 1-3 rows): same tokens.
+    from moetier.layers import attention
+
+    calls: list[int] = []
+    inner = attention._sink_attention
+
+    def spy(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(q.shape[2])
+        return inner(q, *args)
+
+    monkeypatch.setattr(attention, "_SINK_LOGITS", 4 * 40)
+    monkeypatch.setattr(attention, "_sink_attention", spy)
+    check(dense, "100%")
+    assert max(calls) == 13 and 3 in calls  # the 13-token prompt went in chunks of 3

@@ -110,6 +110,9 @@ def _sdpa(
     return _sink_attention(q, k, v, mask, scale, sinks)
 
 
+_SINK_LOGITS = 1 << 26  # logits of one sink-attention chunk (256 MiB in float32)
+
+
 def _sink_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -120,7 +123,27 @@ def _sink_attention(
 ) -> torch.Tensor:
     """Attention whose softmax denominator also holds exp(sinks[h]) (gpt-oss). The op order
     of transformers' eager gpt-oss attention (its only CPU path): scaled logits, masked, the
-    sink column appended, the row max subtracted, softmax in q's dtype, the sink dropped."""
+    sink column appended, the row max subtracted, softmax in q's dtype, the sink dropped.
+    Queries go in chunks of at most `_SINK_LOGITS` logits (a long prompt's [H, q, L] would
+    not fit); rows are independent, so chunking changes no value."""
+    n_q, keys = q.shape[2], k.shape[2]
+    step = max(1, _SINK_LOGITS // (q.shape[0] * q.shape[1] * keys))
+    if n_q > step:
+        per_row = mask.dim() >= 2 and mask.shape[-2] == n_q  # else broadcast over queries
+        return torch.cat(
+            [
+                _sink_attention(
+                    q[:, :, s : s + step],
+                    k,
+                    v,
+                    mask[..., s : s + step, :] if per_row else mask,
+                    scale,
+                    sinks,
+                )
+                for s in range(0, n_q, step)
+            ],
+            dim=2,
+        )
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # each KV head serves `groups` consecutive query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
