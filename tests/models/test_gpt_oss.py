@@ -22,39 +22,20 @@ from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat
 from moetier.weights.mxfp4 import MXFP4, quantize
+from tests.models.families import FAMILIES
 from tests.models.parity import (
     NEW_TOKENS,
     PROMPTS,
     hf_greedy,
     hf_last_logits,
-    make_checkpoint,
     moetier_greedy,
 )
 
-# Every layer MoE, 8 experts top-4 (as the released models), GQA 4/2 with head_dim 16,
-# layers sliding (window 4 < every prompt + 32 new tokens), full, sliding; yarn rope.
-TINY: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=8,
-    num_experts_per_tok=4,
-    vocab_size=256,
-    max_position_embeddings=256,
-    sliding_window=4,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        truncate=False,
-        original_max_position_embeddings=64,
-    ),
-)
+# The cross-family recipe (tests/models/families.py): every layer MoE, 8 experts top-4 (as
+# the released models), GQA 4/2 with head_dim 16, layers sliding (window 4 < every prompt + 32
+# new tokens), full, sliding; yarn rope.
+GPT_OSS = FAMILIES["gpt_oss"]
+TINY: dict[str, Any] = {**GPT_OSS.tiny, **GPT_OSS.main}
 MXFP4_CONFIG = {
     "quant_method": "mxfp4",
     "modules_to_not_convert": [
@@ -69,7 +50,7 @@ EXPERT = "model.layers.{}.mlp.experts.{}"
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", **TINY)
+    return GPT_OSS.checkpoint(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def to_mxfp4(src: Path, dst: Path) -> Path:
