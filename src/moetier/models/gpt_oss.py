@@ -84,6 +84,7 @@ class GptOssMoE(MoEBlock):
         d = config.hidden_size
         super().__init__(layer, GptOssRouter(d, num_experts, top_k))
         self.experts = GptOssExpertBiases(num_experts, d, inter)
+        self.topk_sum = True  # each token's K outputs summed at once, as HF's grouped_mm
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
 
