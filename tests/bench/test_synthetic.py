@@ -77,3 +77,43 @@ def test_fp8_synthetic_is_read_as_stored() -> None:
         assert stats["expert_format"] == "fp8_e4m3" and stats["expert_bytes"] == 3 * 2064
         tokens.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+@pytest.mark.parametrize(
+    "shape,experts,layers", [("gpt-oss-20b", 32, 24), ("gpt-oss-120b", 128, 36)]
+)
+def test_gpt_oss_shapes(shape: str, experts: int, layers: int) -> None:
+    from moetier.bench.synthetic import DEFAULT_LAYERS, MXFP4_SHAPES
+
+    c = shape_config(shape, DEFAULT_LAYERS[shape])
+    assert (c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok) == (layers, experts, 4)
+    assert (c.hidden_size, c.intermediate_size, c.head_dim, c.sliding_window) == (
+        2880,
+        2880,
+        64,
+        128,
+    )
+    assert c.layer_types[:2] == ["sliding_attention", "full_attention"] and shape in MXFP4_SHAPES
+
+
+def test_tiny_gpt_oss_is_mxfp4_and_transformers_agrees() -> None:
+    # The synthetic MXFP4 checkpoint is read as stored (17/32 byte per weight) and generates
+    # transformers' tokens (its MXFP4 CPU path: dequantize on load).
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from moetier import LLM, SamplingParams
+
+    path = ensure_synthetic("tiny-gpt-oss", None, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    prompt = [5, 77, 301, 9, 42, 7]
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+        )
+    llm = LLM(str(path), expert_budget="50%", dtype="float32", progress=False)
+    packing = llm.engine.runner.expert_cache.packing
+    assert packing.name == "mxfp4" and packing.nbytes == 3 * 64 * 32 * 17 // 32
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == out[0, 6:].tolist()

@@ -343,6 +343,46 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
     ),
+    # gpt-oss: every layer MoE, 8 experts top-4, experts fused, transposed and gate/up
+    # interleaved on disk with biases and the clamped SwiGLU (always the per-expert loop);
+    # attention with sinks and q/k/v/o bias, sliding (window 4 < every prompt + 32 new tokens)
+    # and full layers alternating; yarn rope; a biased router. Fused (already fused): top-2,
+    # window 3, default rope. MXFP4 experts: tests/models/test_gpt_oss.py.
+    "gpt_oss": Family(
+        "gpt_oss",
+        dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=24,
+        host_case=("50%", "75%"),
+        host_rows=18,
+        main=dict(
+            sliding_window=4,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        fused=dict(
+            num_experts_per_tok=2,
+            sliding_window=3,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

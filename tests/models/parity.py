@@ -112,10 +112,17 @@ def top_k(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
 
 
+# Families whose experts' math the MoE kernels do not compute, whatever hidden_act says.
+LOOP_ONLY_MODEL_TYPES = ("gpt_oss",)
+
+
 def moe_kernels_apply(path: Path) -> bool:
     """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
-    silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop."""
+    silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so
+    do gpt-oss's biased experts with their clamped SwiGLU (its config says silu)."""
     cfg = text_config(path)
+    if cfg.get("model_type") in LOOP_ONLY_MODEL_TYPES:
+        return False
     return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
 
 

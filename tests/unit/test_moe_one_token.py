@@ -1,7 +1,8 @@
 """The one-token CPU loop of the MoE block (layers/moe.py) equals the per-pair loop bit for bit:
 the same products and the same adds in the same (ascending expert) order. With late reads the
 loop computes the experts in place first, waits for each late one before reading its weights,
-and still adds the terms in ascending expert order (bit-equal again)."""
+and still adds the terms in ascending expert order (bit-equal again); it splits (decodes, for
+a compressed format) each expert only once its read is done."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def _batch(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> SimpleNames
     n = len(gate_up)
     return SimpleNamespace(
         weights=lambda i: (gate_up[i], down[i]),
+        experts=list(range(n)),  # ids the expert_mlp hook gets (the default ignores them)
         late={},
         compute_order=lambda: list(range(n)),
         ready=lambda i: None,
@@ -27,7 +29,8 @@ def _batch(gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> SimpleNames
 
 class LateBatch:
     """Experts whose weights arrive only when `ready(i)` is called (NaN until then), as with
-    late reads; records the order of the calls."""
+    late reads; records the order of the calls. Asking for an expert's weights before it is
+    ready is an error: a compressed expert would be decoded from bytes not yet read."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], late: set) -> None:
         self.want = list(zip(gate_up, down))
@@ -38,12 +41,14 @@ class LateBatch:
             self.gate_up[i].fill_(float("nan"))
             self.down[i].fill_(float("nan"))
         self.calls: list[int] = []
+        self.experts = list(range(len(gate_up)))
 
     def compute_order(self) -> list[int]:
         n = len(self.gate_up)
         return [i for i in range(n) if i not in self.late] + sorted(self.late)
 
     def weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert i not in self.late, f"expert {i} decoded before its read was done"
         return self.gate_up[i], self.down[i]
 
     def ready(self, i: int) -> None:

@@ -82,8 +82,8 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         "--synthetic",
         default=None,
         help="synthetic shape (qwen3-30b-a3b, deepseek-v2-lite, mixtral-8x7b, olmoe-1b-7b, "
-        "tiny-qwen3, tiny-deepseek-v2, tiny-mixtral), generated once under "
-        "$MOETIER_HOME/synthetic",
+        "gpt-oss-20b, gpt-oss-120b (MXFP4 experts), tiny-qwen3, tiny-deepseek-v2, "
+        "tiny-mixtral, tiny-gpt-oss), generated once under $MOETIER_HOME/synthetic",
     )
     p.add_argument("--layers", type=int, default=None, help="synthetic depth (default: real)")
     p.add_argument(

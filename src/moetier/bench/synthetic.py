@@ -4,6 +4,9 @@ Owns the shape table, the seeded weight fill and the on-disk cache of generated 
 (`$MOETIER_HOME/synthetic/<shape>-L<layers>-s<seed>/`, reused once its marker file exists); it
 does not measure anything beyond the small legacy decode benchmark at the bottom.
 
+The gpt-oss shapes store their experts in MXFP4 as the released checkpoints do (random block
+bytes, scales that give bf16-like magnitudes; `quantization_config.quant_method: mxfp4`).
+
 Random weights give near-random routing: results measure the transfer path under uniform
 expert demand, not real-text locality. Say so beside any number this produces. Deep random
 stacks route degenerately (the hidden state stops depending on the token): use the bench's
@@ -46,8 +49,35 @@ _QWEN3_30B = dict(
     max_position_embeddings=40960,
 )
 
+_GPT_OSS = dict(
+    model_type="gpt_oss",
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    vocab_size=201088,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+)
+# The released gpt-oss configs' (experts stored MXFP4; attention, router, embeddings bf16).
+MXFP4_QUANTIZATION = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+MXFP4_SHAPES = {"gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"}
+
 # name: HF config of the shape (without num_hidden_layers); DEFAULT_LAYERS gives the real depth.
 SHAPES: dict[str, dict[str, Any]] = {
+    "gpt-oss-20b": dict(_GPT_OSS, num_local_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_local_experts=128),
     "qwen3-30b-a3b": _QWEN3_30B,
     "deepseek-v2-lite": dict(
         model_type="deepseek_v2",
@@ -146,8 +176,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
+    "tiny-gpt-oss": dict(
+        model_type="gpt_oss",
+        hidden_size=64,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        sliding_window=4,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
 }
 DEFAULT_LAYERS = {
+    "gpt-oss-20b": 24,
+    "gpt-oss-120b": 36,
+    "tiny-gpt-oss": 2,
     "qwen3-30b-a3b": 48,
     "deepseek-v2-lite": 27,
     "mixtral-8x7b": 32,
@@ -186,6 +232,22 @@ def shape_config(shape: str, num_layers: int) -> Any:
     config = AutoConfig.for_model(spec.pop("model_type"), num_hidden_layers=num_layers, **spec)
     config.dtype = "bfloat16"
     return config
+
+
+def _mxfp4_experts(filler: _Filler, name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
+    """HF's float expert tensor `name` [E, cols, rows] as MXFP4 blocks [E, rows, cols/32, 16]
+    + scales [E, rows, cols/32]: random nibbles, one scale for the whole tensor putting the
+    values' RMS near 1/sqrt(cols) (random FP4 nibbles have an RMS of 2.93 units)."""
+    import math
+
+    e, cols, rows = shape
+    gen = filler._gen(name)
+    size = (e, rows, cols // 32, 16)
+    blocks = torch.randint(0, 256, size, dtype=torch.uint8, generator=gen, device=filler.device)
+    blocks = blocks.cpu()
+    exp = round(math.log2(1.0 / (2.93 * math.sqrt(cols))))
+    scales = torch.full((e, rows, cols // 32), 127 + exp, dtype=torch.uint8)
+    return {f"{name}_blocks": blocks, f"{name}_scales": scales}
 
 
 class _Filler:
@@ -245,10 +307,11 @@ def write_synthetic(
     """Write a `num_layers`-layer checkpoint of `shape` to `path`, one shard per layer.
 
     bf16: experts are stored fused (`experts.gate_up_proj`, `experts.down_proj`) as
-    transformers saves them. fp8: per expert in e4m3 with 128x128 block scales
-    (`weight_scale_inv`), the layout of Qwen3-*-FP8 and DeepSeek-V3 (other weights bf16).
-    `device`: where to fill (default CUDA when available). A writer thread saves one shard
-    while the next is filled, so a GPU fill runs at disk speed.
+    transformers saves them; the MXFP4 shapes (gpt-oss) store `*_blocks` + `*_scales` instead.
+    fp8: per expert in e4m3 with 128x128 block scales (`weight_scale_inv`), the layout of
+    Qwen3-*-FP8 and DeepSeek-V3 (other weights bf16). `device`: where to fill (default CUDA
+    when available). A writer thread saves one shard while the next is filled, so a GPU fill
+    runs at disk speed.
     """
     if fmt not in FORMATS:
         from moetier.errors import ConfigError
@@ -271,6 +334,16 @@ def write_synthetic(
     config.save_pretrained(path)
     fill_dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     filler = _Filler(seed, fill_dev)
+    mxfp4 = shape in MXFP4_SHAPES
+    if mxfp4:
+        config.quantization_config = MXFP4_QUANTIZATION
+        config.save_pretrained(path)
+
+    def tensors(name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
+        if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return _mxfp4_experts(filler, name, shape)
+        return {name: filler(name, shape).contiguous()}
+
     groups: dict[str, dict[str, torch.Size]] = {}
     for name, p in model.state_dict().items():
         groups.setdefault(_shard_of(name), {})[name] = p.shape
@@ -284,18 +357,24 @@ def write_synthetic(
             except BaseException as exc:  # reported by the caller below
                 errors.append(exc)
 
+    weight_names: dict[str, list[str]] = {}
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
     try:
         for shard, names in groups.items():
-            tensors = {n: filler(n, s).contiguous() for n, s in names.items()}
-            done.put((shard, _fp8_experts(tensors, fill_dev) if fmt == "fp8" else tensors))
+            shard_tensors: dict[str, torch.Tensor] = {}
+            for n, s in names.items():
+                shard_tensors.update(tensors(n, s))
+            if fmt == "fp8":
+                shard_tensors = _fp8_experts(shard_tensors, fill_dev)
+            weight_names[shard] = list(shard_tensors)
+            done.put((shard, shard_tensors))
     finally:
         done.put(None)
         thread.join()
     if errors:
         raise errors[0]
-    weight_map = {n: shard for shard, names in groups.items() for n in names}
+    weight_map = {n: shard for shard, names in weight_names.items() for n in names}
     index = {"metadata": {}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return path

@@ -136,6 +136,7 @@ class ModelRunner:
             family.expert_prefixes(self.hf_config),
             self.num_experts,
             fp8_block=fp8_block(self.hf_config),
+            interleaved=family.gate_up_interleaved,
         )
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.model = allocate(

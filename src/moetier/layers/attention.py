@@ -30,6 +30,7 @@ def attend(
     v_dim: int | None = None,
     chunk: int | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, dk], k [T, Hkv, dk], v [T, Hkv, dv] -> [T, H, dv], per-sequence causal.
 
@@ -38,6 +39,8 @@ def attend(
     chunked layers): a query at position p sees keys from p // chunk * chunk to p only.
     window: sliding-window attention (Gemma's sliding layers, HF's `kv > q - window`): a query
     at position p sees keys from p - window + 1 to p only. The whole history stays cached.
+    sinks [H]: attention sinks (gpt-oss), a learned logit per head that joins each query's
+    softmax denominator and attends to nothing; computed by `_sink_attention`, not SDPA.
 
     Writes this step's K/V into the paged pools, then reads each sequence's history through its
     block table, in q's dtype (the cache casts or dequantizes what it stores, see
@@ -69,9 +72,7 @@ def attend(
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, d*]
         local = chunk is not None or window is not None
         mask = _local_decode_mask(ctx, chunk, window) if local else meta.decode_mask
-        dec = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
-        ).squeeze(2)  # [B, H, dv]
+        dec = _sdpa(qd, kd, vd, mask, scale, sinks).squeeze(2)  # [B, H, dv]
         if out is None:
             return dec
         out[meta.decode_rows] = dec
@@ -81,23 +82,79 @@ def attend(
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
         ks, vs = history(slots)  # [L, Hkv, d*]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, d*]
-        if span.past == 0 and chunk is None and window is None and q.is_cuda:
+        if span.past == 0 and chunk is None and window is None and sinks is None and q.is_cuda:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
             # kernel (native GQA); a mask would send it to a slower kernel.
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=_causal_mask(ctx, i, q.device, chunk, window),
-                scale=scale,
-                enable_gqa=True,
-            )
+            mask = _causal_mask(ctx, i, q.device, chunk, window)
+            o = _sdpa(qs, ks, vs, mask, scale, sinks)
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [B, H, q, dk], k [B, Hkv, L, dk], v [B, Hkv, L, dv], bool mask broadcast to
+    [B, H, q, L] -> [B, H, q, dv]: SDPA, or the sink-aware softmax when `sinks` is set."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return _sink_attention(q, k, v, mask, scale, sinks)
+
+
+_SINK_LOGITS = 1 << 26  # logits of one sink-attention chunk (256 MiB in float32)
+
+
+def _sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax denominator also holds exp(sinks[h]) (gpt-oss). The op order
+    of transformers' eager gpt-oss attention (its only CPU path): scaled logits, masked, the
+    sink column appended, the row max subtracted, softmax in q's dtype, the sink dropped.
+    Queries go in chunks of at most `_SINK_LOGITS` logits (a long prompt's [H, q, L] would
+    not fit); rows are independent, so chunking changes no value."""
+    n_q, keys = q.shape[2], k.shape[2]
+    step = max(1, _SINK_LOGITS // (q.shape[0] * q.shape[1] * keys))
+    if n_q > step:
+        per_row = mask.dim() >= 2 and mask.shape[-2] == n_q  # else broadcast over queries
+        return torch.cat(
+            [
+                _sink_attention(
+                    q[:, :, s : s + step],
+                    k,
+                    v,
+                    mask[..., s : s + step, :] if per_row else mask,
+                    scale,
+                    sinks,
+                )
+                for s in range(0, n_q, step)
+            ],
+            dim=2,
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each KV head serves `groups` consecutive query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(q, k.transpose(-2, -1)) * scale  # [B, H, q, L]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    b, h, n_q, _ = logits.shape
+    sink = sinks.to(logits.dtype).view(1, h, 1, 1).expand(b, h, n_q, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _causal_mask(

@@ -54,6 +54,11 @@ class MoEBlock(nn.Module):
         self.num_experts = getattr(getattr(gate, "weight", None), "shape", (0,))[0]
         self.weights_dtype_cast = False  # cast routing weights to x.dtype before scaling (Qwen2)
         self.one_token_loop = True  # the per-expert loop's one-token CPU form (False: tests)
+        # The per-expert loop's sum: False adds each expert's weighted output into the result
+        # in ascending expert order (the reference of most families); True keeps every
+        # (token, k) term and sums each token's K terms at once in top-k order, as
+        # transformers' grouped_mm experts do (gpt-oss's reference on every device).
+        self.topk_sum = False
         # Fast path switches (kernels/): a step with at most `slot_kernel_max_pairs` (token,
         # expert) pairs is computed by the slot-reading kernel (expert_ffn.py), a larger one by
         # the grouped kernel (grouped_ffn.py) when `grouped_kernel` is on; else the per-expert
@@ -206,6 +211,9 @@ class MoEBlock(nn.Module):
         experts = [e for e, c in enumerate(counts) if c]
         provider.count_routed(flat.numel(), len(experts))
         out = torch.zeros_like(x)
+        terms = None  # [T, K, D] each pair's weighted output (topk_sum)
+        if self.topk_sum and not kernel:
+            terms = x.new_zeros(x.shape[0], k, x.shape[1])
         if kernel:  # slots per wave from a lookup on the device; the loop's indexes not needed
             sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
             sorted_weights = weights.gather(1, by_expert)
@@ -237,10 +245,10 @@ class MoEBlock(nn.Module):
                     )  # fmt: skip
                 else:
                     spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
-                    self._wave_loop(x, out, batch, spans, tokens, kpos, weights)
+                    self._wave_loop(x, out, batch, spans, tokens, kpos, weights, terms)
             finally:
                 provider.release(batch)
-        return out
+        return out if terms is None else terms.sum(dim=1)
 
     def _prefetch(
         self, host_ids: list[int], hidden: torch.Tensor | None, distinct: int = 0
@@ -265,33 +273,46 @@ class MoEBlock(nn.Module):
         tokens: torch.Tensor,
         kpos: torch.Tensor,
         weights: torch.Tensor,
+        terms: torch.Tensor | None = None,
     ) -> None:
-        """One expert at a time: matches the reference's summation order exactly. One token on
-        the CPU skips the per-expert gather of rows and scatter of results (same products, same
-        adds in the same order). With late reads (CPU) the experts already in place are
-        computed first while the others are read; every expert's term is still added in
-        ascending expert order."""
-        one = self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
+        """One expert at a time: matches the reference's summation order exactly (with
+        `terms` [T, K, D], each pair's term is stored at its (token, k), summed by the caller).
+        One token on the CPU skips the per-expert gather of rows and scatter of results (same
+        products, same adds in the same order). With late reads (CPU) the experts already in
+        place are computed first while the others are read; every expert's term is still added
+        in ascending expert order."""
+        one = terms is None and self.one_token_loop and x.shape[0] == 1 and not x.is_cuda
         pos = kpos.tolist() if one else []  # each pair's routing slot, pairs ascending
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # late batches only
         for i in batch.compute_order():
             batch.ready(i)
-            gate_up, down = batch.weights(i)
+            gate_up, down = batch.weights(i)  # after ready(i): a compressed one is decoded
             a, b = spans[i]
             tok = None if one else tokens[a:b]
-            h = F.linear(x if tok is None else x[tok], gate_up)  # [n, 2I]
-            g, u = h.chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, down)  # [n, D]
+            rows = x if tok is None else x[tok]
+            y = self.expert_mlp(rows, gate_up, down, batch.experts[i])  # [n, D]
             if tok is None:
                 term = (y * weights[:, pos[a] : pos[a] + 1]).to(out.dtype)
             else:
                 term = (y * weights[tok, kpos[a:b], None]).to(out.dtype)
-            if batch.late or held:
+            if terms is not None:
+                assert tok is not None
+                terms[tok, kpos[a:b]] = term
+            elif batch.late or held:
                 held[i] = (tok, term)
             else:
                 _add(out, tok, term)
         for i in sorted(held):
             _add(out, *held[i])
+
+    def expert_mlp(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int
+    ) -> torch.Tensor:
+        """One expert on its tokens' rows (the per-expert loop): x [n, D], gate_up [2I, D]
+        (gate rows, then up rows), down [D, I] -> [n, D]. A family whose experts compute
+        otherwise (gpt-oss: biases and a clamped SwiGLU) overrides it and turns the kernels off."""
+        g, u = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(self.act(g) * u, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x)

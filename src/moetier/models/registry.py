@@ -26,6 +26,9 @@ class Family:
     # Fills, in place, the config names the engine reads where the family's config spells
     # them otherwise (Gemma 4's top_k_experts as num_experts_per_tok); run by get_family.
     adapt_config: Callable[[Any], None] | None = None
+    # Fused gate_up tensors alternate gate and up rows (gpt-oss); weights/experts.py
+    # de-interleaves them while packing.
+    gate_up_interleaved: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
@@ -46,6 +49,7 @@ def _load_builtin() -> None:
         deepseek,
         gemma4,
         glm4_moe,
+        gpt_oss,
         llama4,
         mixtral,
         olmoe,
