@@ -379,7 +379,9 @@ FAMILIES: dict[str, Family] = {
                 "linear_attention",
                 "linear_attention",
             ],
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
         ),
         fused=dict(mlp_only_layers=[], norm_topk_prob=False, full_attention_interval=4),
     ),

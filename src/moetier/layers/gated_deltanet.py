@@ -255,7 +255,7 @@ class GatedDeltaNet(nn.Module):
         # In float32: the decay of half-precision A_log could overflow to -inf.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
         conv_pool, rec_pool = states.conv(self.layer), states.recurrent(self.layer)
-        kernels = cuda_kernels() if x.is_cuda else {}
+        kernels = self.kernels(x)
         weight = self.conv1d.weight  # [C, 1, K]
         core = x.new_empty(t, self.hv, self.dv)
         if meta.decode_rows is not None:
@@ -286,6 +286,10 @@ class GatedDeltaNet(nn.Module):
             core[lo:hi] = out[0]
         h = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv))
         return self.out_proj(h.view(t, self.value_dim))
+
+    def kernels(self, x: torch.Tensor) -> dict[str, Any]:
+        """The optional CUDA kernels for this input (none on the CPU: the torch forms)."""
+        return cuda_kernels() if x.is_cuda else {}
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, n, C] -> q, k [B, n, Hk, dk], v [B, n, Hv, dv]."""
