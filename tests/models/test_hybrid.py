@@ -267,3 +267,39 @@ def test_scheduler_takes_slots_at_admission_and_frees_them() -> None:
     assert [s.request.request_id for s in out.scheduled] == [1, 2]
     assert slots.slot_of == {1: 0, 2: 1}
     sched.check_integrity()
+
+
+def test_served_concurrent_completions_equal_transformers(tmp_path: Path) -> None:
+    """`moetier serve` on a Qwen3.5-MoE checkpoint: concurrent greedy completions (batched
+    in the engine) return transformers' tokens."""
+    import asyncio
+
+    import httpx
+
+    from tests.server.conftest import start_server, stop_server
+    from tests.server.tiny import VOCAB, save_byte_tokenizer
+
+    path = FAMILIES["qwen3_5_moe"].checkpoint(tmp_path / "served", seed=8, vocab_size=VOCAB)
+    save_byte_tokenizer(path)
+    ref = hf_model(path)
+    prompts = [LONG, MIXED[1], MIXED[2]]
+    want = [hf_greedy(ref, p, NEW) for p in prompts]
+    server = start_server(path, tmp_path / "server.log", "--expert-budget", "50%")
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = dict(model=server.model, prompt=prompt, max_tokens=NEW, temperature=0,
+                    ignore_eos=True, return_token_ids=True)  # fmt: skip
+        r = await client.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    async def run_all() -> list[list[int]]:
+        async with httpx.AsyncClient() as client:
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    try:
+        assert asyncio.run(run_all()) == want
+        health = server.health()  # the engine's KV, slot and state integrity checks
+        assert health["num_requests_running"] == 0
+    finally:
+        assert stop_server(server) == 0, server.log()
