@@ -303,3 +303,17 @@ def test_served_concurrent_completions_equal_transformers(tmp_path: Path) -> Non
         assert health["num_requests_running"] == 0
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+def test_one_memory_budget_sets_the_state_pools_aside(ckpt: Path) -> None:
+    from moetier.engine.memory_split import activation_reserve
+    from moetier.engine.state_cache import state_bytes_per_slot, state_layout
+
+    llm = _llm(ckpt, None, gpu_memory="2GiB", max_num_seqs=3, max_model_len=128)
+    runner = llm.engine.runner
+    cfg, sched = runner.hf_config, llm.engine.config.scheduler
+    states = runner.state_cache
+    per_slot = state_bytes_per_slot(state_layout(runner.model), torch.float32)
+    assert states is not None and states.bytes() == 3 * per_slot > 0
+    act = activation_reserve(sched.max_num_batched_tokens, 3, cfg.hidden_size, cfg.vocab_size, 4)
+    assert runner.memory_split.reserve == act + states.bytes()
