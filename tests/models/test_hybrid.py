@@ -317,3 +317,17 @@ def test_one_memory_budget_sets_the_state_pools_aside(ckpt: Path) -> None:
     assert states is not None and states.bytes() == 3 * per_slot > 0
     act = activation_reserve(sched.max_num_batched_tokens, 3, cfg.hidden_size, cfg.vocab_size, 4)
     assert runner.memory_split.reserve == act + states.bytes()
+
+
+def test_text_config_over_wrapper_tensor_names(tmp_path: Path) -> None:
+    # Qwen3_5MoeForCausalLM over tensors named as the multimodal wrapper saves them
+    # (model.language_model.*), which transformers loads by dropping the prefix.
+    from safetensors.torch import load_file, save_file
+
+    path = FAMILIES["qwen3_5_moe"].checkpoint(tmp_path / "renamed", seed=9)
+    fuse_experts(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {n.replace("model.", "model.language_model.", 1): t for n, t in tensors.items()}
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in renamed
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    check_parity(path, min_budget(path), prompts=MIXED[1:])

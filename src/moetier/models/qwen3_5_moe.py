@@ -42,7 +42,18 @@ def expert_prefixes(config: Any) -> dict[int, list[str]]:
     return {i: [f"model.layers.{i}.mlp"] for i in range(config.num_hidden_layers)}
 
 
-FAMILY = register("Qwen3_5MoeForCausalLM")(Family("qwen3_5_moe", build, expert_prefixes))
+def _text_or_wrapped(config: Any) -> dict[int, list[str]]:
+    """A text-only config over tensors saved by the multimodal wrapper (`model.language_model.`,
+    as transformers itself loads them) is found too."""
+    return {
+        i: [p, p.replace("model.", "model.language_model.", 1)]
+        for i, (p,) in expert_prefixes(config).items()
+    }
+
+
+_WRAPPED = (("model.", "model.language_model."),)
+
+FAMILY = register("Qwen3_5MoeForCausalLM")(Family("qwen3_5_moe", build, _text_or_wrapped, _WRAPPED))
 
 
 # Top-level config names the engine, loader and bench read (layers/moe.py moe_config, the
@@ -75,7 +86,7 @@ WRAPPER = register("Qwen3_5MoeForConditionalGeneration")(
         lambda config: {
             i: [f"model.language_model.layers.{i}.mlp"] for i in expert_prefixes(config.text_config)
         },
-        (("model.", "model.language_model."),),
+        _WRAPPED,
         adapt_wrapper,
     )
 )
