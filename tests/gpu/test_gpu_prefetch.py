@@ -24,7 +24,7 @@ import torch
 
 from moetier import LLM, SamplingParams
 from moetier.offload.transfer import CudaCopier
-from tests.models.parity import PROMPTS, moe_kernels_apply, moetier_greedy
+from tests.models.parity import PROMPTS, graphs_apply, moetier_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,7 @@ def _run(path: Path, moe_path: str, prefetch: str | None) -> tuple[Any, Any, dic
     llm.engine.check_integrity()
     runner = llm.engine.runner
     one_wave = len(PROMPTS) * runner.top_k <= runner.expert_cache.max_batch
-    if piecewise and one_wave and moe_kernels_apply(path):  # else not graph-safe: eager
+    if piecewise and one_wave and graphs_apply(path):  # else not graph-safe: eager
         assert runner.graphs is not None and runner.graphs.replays > 0  # decode did replay
     return tokens, logits, llm.offload_stats()
 

@@ -63,6 +63,25 @@ YARN = dict(
     mscale_all_dim=1.0,
 )
 
+_HYBRID = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    vocab_size=256,
+    max_position_embeddings=256,
+)
+
 FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         "mixtral",
@@ -342,6 +361,55 @@ FAMILIES: dict[str, Family] = {
                 ),
             ),
         ),
+    ),
+    # Hybrid: Gated DeltaNet linear attention (grouped value heads, dk 8 != dv 12) in layers
+    # 0, 2, 3 and gated full attention (partial rotary, q/k norms, output gate) in layer 1;
+    # fused in_proj_qkvz / in_proj_ba; sigmoid-gated shared expert; layer 2 dense. Fused: every
+    # layer MoE, full attention last (the config's default pattern), no renormalization.
+    "qwen3_next": Family(
+        "qwen3_next",
+        dict(_HYBRID, mlp_only_layers=[2], norm_topk_prob=True),
+        routed_experts=24,
+        host_case=("50%", "75%"),
+        host_rows=18,
+        main=dict(
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
+        ),
+        fused=dict(mlp_only_layers=[], norm_topk_prob=False, full_attention_interval=4),
+    ),
+    # Qwen3.5-MoE text (Qwen3.6-35B-A3B's language model): Qwen3-Next's layers with split
+    # in_proj_qkv / z / b / a projections, every layer MoE, renormalized top-k, mrope settings
+    # (text positions: plain rope). Fused: the layout the released checkpoints ship.
+    "qwen3_5_moe": Family(
+        "qwen3_5_moe_text",
+        dict(_HYBRID),
+        routed_experts=32,
+        host_case=("50%", "75%"),
+        host_rows=24,
+        main=dict(
+            layer_types=[
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+            ],
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[1, 1, 0],
+                mrope_interleaved=True,
+            ),
+        ),
+        fused=dict(num_experts_per_tok=3),
     ),
     # gpt-oss: every layer MoE, 8 experts top-4, experts fused, transposed and gate/up
     # interleaved on disk with biases and the clamped SwiGLU (always the per-expert loop);

@@ -126,6 +126,18 @@ def moe_kernels_apply(path: Path) -> bool:
     return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
 
 
+def recurrent_state(path: Path) -> bool:
+    """Whether the checkpoint's model keeps per-sequence recurrent state (hybrid linear
+    attention, Qwen3-Next / Qwen3.5): the engine captures no CUDA graphs for it."""
+    return "linear_attention" in (text_config(path).get("layer_types") or [])
+
+
+def graphs_apply(path: Path) -> bool:
+    """Whether decode steps of this checkpoint can replay as CUDA graphs (engine/graphs.py):
+    a MoE kernel computes its experts and no layer keeps recurrent state."""
+    return moe_kernels_apply(path) and not recurrent_state(path)
+
+
 def min_budget(path: Path, dtype_bytes: int = 4) -> str:
     """The smallest expert budget moetier accepts for this checkpoint: top-k slots, in bytes."""
     cfg = text_config(path)

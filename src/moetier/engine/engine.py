@@ -35,7 +35,10 @@ class Engine:
         self.runner = ModelRunner(config)
         self.tokenizer = tokenizer
         self.blocks = self.runner.kv_cache.blocks
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        states = self.runner.state_cache
+        self.scheduler = Scheduler(
+            config.scheduler, self.blocks, states.slots if states is not None else None
+        )
         self.stopping = StopChecker(tokenizer, self.runner.hf_config, self.runner.generation_config)
         self._ids = itertools.count()
         self.vocab_size = int(self.runner.hf_config.vocab_size)

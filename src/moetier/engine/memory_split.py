@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from moetier.config import EngineConfig, format_bytes, parse_budget
+from moetier.engine.state_cache import state_bytes_per_slot, state_layout
 from moetier.errors import BudgetError, ConfigError
 from moetier.offload.builder import budget_slots, expert_slot_bytes
 from moetier.weights.experts import ExpertLayout
@@ -396,6 +397,8 @@ def split_memory(
     reserve = activation_reserve(
         sched.max_num_batched_tokens, sched.max_num_seqs, hidden, vocab, dtype_bytes
     )
+    # Hybrid models: the recurrent-state pools (one slot per sequence) are set aside with it.
+    reserve += state_bytes_per_slot(state_layout(model), dtype) * sched.max_num_seqs
     expert_bytes = expert_slot_bytes(layout, dtype)
     n_total = len(layout.layers) * layout.num_experts
     bs = config.cache.block_size

@@ -18,6 +18,7 @@ from moetier.engine.batch import SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache, kv_bytes_per_token, kv_layout, resolve_kv_format
 from moetier.engine.memory_split import MemorySplit, placed_bytes, split_memory
+from moetier.engine.state_cache import RecurrentStateCache, build_state_cache, state_layout
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.kernels.grouped_ffn import SLOT_KERNEL_MAX_PAIRS
@@ -198,6 +199,14 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.fused = fused
+        hybrid = bool(state_layout(self.model))
+        if hybrid and cache_cfg.enable_prefix_caching:
+            log.info(
+                "prefix caching is off for %s: its linear-attention layers keep per-sequence "
+                "recurrent state, which a cached K/V prefix does not restore",
+                family.name,
+            )
+            cache_cfg = replace(cache_cfg, enable_prefix_caching=False)
         self.kv_cache = build_kv_cache(
             cache_cfg,
             config.scheduler.max_num_seqs,
@@ -216,10 +225,18 @@ class ModelRunner:
             self.kv_cache.blocks.block_size * self.kv_cache.bytes_per_token,
             "no_gpu_memory",
         )
+        # Hybrid models: one recurrent-state slot per sequence that may run at once.
+        self.state_cache: RecurrentStateCache | None = build_state_cache(
+            self.model, config.scheduler.max_num_seqs, self.device, self.dtype
+        )
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
+            if self.state_cache is not None:
+                # The captured decode forward has no state-slot inputs: not graph-safe.
+                log.info("CUDA graphs are off for %s (recurrent-state layers)", family.name)
+            else:
+                self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
 
     def _split_memory(
         self, config: EngineConfig, layout: ExpertLayout
@@ -318,7 +335,9 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         kv_batch = self.kv_cache.build_batch(kv_spans, len(ids))
-        ctx = ForwardContext(spans, pos, self.kv_cache, kv_batch)
+        if self.state_cache is not None:
+            self.state_cache.prepare(kv_spans, kv_batch)
+        ctx = ForwardContext(spans, pos, self.kv_cache, kv_batch, states=self.state_cache)
         try:
             hidden = self.model(input_ids, ctx)  # [T, D]
         finally:
@@ -328,7 +347,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])  # [N, V]
 
     def free(self, request_id: int) -> int:
-        """Free the request's KV blocks; the number freed."""
+        """Free the request's KV blocks (and its state slot); the number of blocks freed."""
+        if self.state_cache is not None:
+            self.state_cache.free(request_id)
         return self.kv_cache.free(request_id)
 
     def end_request(self, request_id: int) -> None:

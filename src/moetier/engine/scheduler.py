@@ -17,12 +17,19 @@ from moetier.config import SchedulerConfig
 from moetier.core import Request
 from moetier.engine.batch import ScheduledRequest, SchedulerOutput
 from moetier.engine.block_manager import BlockManager
+from moetier.engine.state_cache import StateSlots
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager | None = None,
+        states: StateSlots | None = None,
+    ) -> None:
         self.config = config
         self.blocks = blocks  # None: no KV accounting (unit tests of the token budget)
+        self.states = states  # None: the model keeps no per-sequence recurrent state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,7 +81,12 @@ class Scheduler:
         """Allocate blocks for a waiting request's first chunk, starting its table with its
         cached prefix blocks and its counter at the tokens they hold; False if it does not fit
         (nothing changed)."""
+        states = self.states
+        if states is not None and req.request_id not in states.slot_of and not states.num_free:
+            return False
         if self.blocks is None:
+            if self.states is not None:
+                self.states.assign(req.request_id)
             return True
         assert req.num_computed_tokens == 0, "a waiting request has computed nothing"
         prefix = self.blocks.match_prefix(req.all_token_ids)
@@ -83,6 +95,8 @@ class Scheduler:
         if not self.blocks.can_allocate(req.request_id, need, prefix):
             return False
         self.blocks.allocate(req.request_id, need, prefix)
+        if self.states is not None:
+            self.states.assign(req.request_id)
         req.num_computed_tokens = start
         if req.num_cached_tokens is None:
             req.num_cached_tokens = start
@@ -126,20 +140,29 @@ class Scheduler:
         self.running = [r for r in self.running if r is not req]
         if self.blocks is not None:
             self.blocks.free(req.request_id)
+        if self.states is not None:
+            self.states.free(req.request_id)  # its states restart from token 0 too
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def finish(self, request: Request) -> None:
-        """Remove a running or waiting request and free its blocks."""
+        """Remove a running or waiting request and free its blocks (and state slot)."""
         self.running = [r for r in self.running if r is not request]
         self.waiting = deque(r for r in self.waiting if r is not request)
         if self.blocks is not None:
             self.blocks.free(request.request_id)
+        if self.states is not None:
+            self.states.free(request.request_id)
 
     def check_integrity(self) -> None:
         """Waiting requests hold no blocks and have computed nothing; each running request's
-        table covers its computed tokens; then the block manager's own invariants."""
+        table covers its computed tokens; then the block manager's own invariants. With state
+        slots: exactly the running requests hold one."""
+        if self.states is not None:
+            held = {r.request_id for r in self.running}
+            assert set(self.states.slot_of) == held, "state slots differ from the running requests"
+            self.states.check_integrity()
         if self.blocks is None:
             return
         for req in self.waiting:

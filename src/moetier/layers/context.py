@@ -37,6 +37,10 @@ class KVBatch:
     per sequence) are attended together: `decode_rows` [B] index the flattened batch,
     `decode_slots` [B, L] the history slots (padded with slot 0), `decode_mask` [B, 1, 1, L]
     which of them are real. Other spans (prefill chunks) use `span_slots[i]` [L_i] each.
+
+    Hybrid models (recurrent-state layers, layers/gated_deltanet.py): `state_slots[i]` is span
+    i's slot in the state pools (engine/state_cache.py) and `decode_state_slots` [B] those of
+    the decode rows, in `decode_rows` order; empty / None for models without such layers.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +49,8 @@ class KVBatch:
     decode_mask: torch.Tensor | None = None
     decode_spans: tuple[int, ...] = ()  # indexes into ctx.spans
     span_slots: dict[int, torch.Tensor] | None = None
+    state_slots: tuple[int, ...] = ()
+    decode_state_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class ForwardContext:
     positions: torch.Tensor  # [T] int64
     kv: KVStore
     kv_batch: KVBatch
+    # The recurrent-state pools of hybrid models (a StateStore, layers/gated_deltanet.py);
+    # None for models whose every layer attends through the KV cache.
+    states: Any = None
     # Per-step memo for values every layer would otherwise recompute (rotary cos/sin tables),
     # keyed by whoever fills it; lives for one forward only.
     memo: dict[Any, Any] = field(default_factory=dict)

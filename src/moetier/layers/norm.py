@@ -35,3 +35,18 @@ class GemmaRMSNorm(nn.Module):
         if self.weight is not None:
             h = h * self.weight.float()
         return h.type_as(x)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm (Qwen3-Next, Qwen3.5): x * rsqrt(mean(x^2) + eps) * (1 + weight),
+    all in float32, then cast back; the stored weight is the offset from 1."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)

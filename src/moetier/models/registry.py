@@ -54,7 +54,9 @@ def _load_builtin() -> None:
         mixtral,
         olmoe,
         qwen2_moe,
+        qwen3_5_moe,
         qwen3_moe,
+        qwen3_next,
     )
 
 
