@@ -2,8 +2,10 @@
 
 One small class per format behind a registry (`hermes`: Qwen/Hermes
 `<tool_call>{...}</tool_call>`, `mistral`: `[TOOL_CALLS][{...}, ...]`, `llama3_json`: Llama 3.x's
-bare `{"name": ..., "parameters": ...}`); each also writes the grammar that forces a call in its
-format. Plain text in, plain data out: no engine, no HTTP.
+bare `{"name": ..., "parameters": ...}`, `deepseek_v3` / `deepseek_v31`: DeepSeek's
+`<｜tool▁call▁begin｜>` blocks, `harmony`: gpt-oss's channels and `to=functions.NAME` messages,
+`pythonic`: `[f(a=1)]`); each also writes the grammar that forces a call in its format. Plain
+text in, plain data out: no engine, no HTTP.
 
 A call's `arguments` is the JSON text of its arguments object exactly as the model wrote it, so
 a stream's argument deltas concatenate to the same string the whole-output parse returns.
@@ -146,6 +148,8 @@ class ToolParser:
     name: ClassVar[str]
     start: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False  # the marker is a special token
+    text_arguments: ClassVar[bool] = False  # templates take past calls' arguments as JSON text
+    channels: ClassVar[bool] = False  # the content itself needs parsing, with or without tools
 
     @classmethod
     def detect(cls, chat_template: str) -> bool:
@@ -162,6 +166,12 @@ class ToolParser:
         out to open a call: a stream holds them back."""
         return _marker_prefix(text, self.start)
 
+    def visible(self, text: str, final: bool) -> str:
+        """The content shown for `text`, the output before any call (all of it when `final`,
+        else without what may still open a call). Only ever grows as `text` does: a stream
+        sends what it adds."""
+        return text if final else text[: len(text) - self.undecided(text)]
+
     def scan(self, section: str, final: bool) -> list[_Partial] | None:
         """Calls in the text after `start` (the last may be partial unless final); None when
         final and the calls are malformed."""
@@ -177,11 +187,11 @@ class ToolParser:
         leave everything as content (the caller sees what the model wrote)."""
         found = self.locate(text)
         if found is None:
-            return ParsedOutput(text or None, [])
+            return ParsedOutput(self.visible(text, True) or None, [])
         calls = self.scan(text[found[1] :], final=True)
         if not calls or not all(c.complete and c.name is not None for c in calls):
             return ParsedOutput(text or None, [])
-        content = text[: found[0]] or None
+        content = self.visible(text[: found[0]], True) or None
         return ParsedOutput(content, [ToolCall(c.name or "", c.arguments) for c in calls])
 
     def stream(self) -> ToolStream:
@@ -330,8 +340,432 @@ class Llama3JsonParser(ToolParser):
         return f"start: {json_grammar_text(call_schema(tools, 'parameters'))}"
 
 
+def _token(token_id: Callable[[str], Any], text: str) -> str:
+    """A grammar item for a marker: its token (`<[id]>`) when it is one, else its text."""
+    tid = token_id(text)
+    return f"<[{tid}]>" if tid is not None else _literal(text)
+
+
+def _closing(s: str, k: int, tail: list[str], final: bool) -> tuple[bool | None, int]:
+    """Match the markers `tail` (whitespace between them allowed) at s[k:]: (True, index after
+    them) when all are there or the text ends early at `final` (an output cut at EOS), (False,
+    k) while the rest of the text may still become them, (None, k) when it cannot."""
+    for marker in tail:
+        k = _skip_ws(s, k)
+        if s.startswith(marker, k):
+            k += len(marker)
+            continue
+        rest = s[k:]
+        if not rest:
+            return (True, k) if final else (False, k)
+        return (False, k) if not final and marker.startswith(rest) else (None, k)
+    return True, k
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+_DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+_DS_CALLS_END = "<｜tool▁calls▁end｜>"
+_DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+_DS_CALL_END = "<｜tool▁call▁end｜>"
+_DS_SEP = "<｜tool▁sep｜>"
+_FENCE_OPEN = "```json"
+_FENCE_CLOSE = "```"
+
+
+class DeepSeekV3Parser(ToolParser):
+    """DeepSeek-V2.5/V3/R1: `<｜tool▁calls▁begin｜>` then per call
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+    then `<｜tool▁calls▁end｜>`. Also reads V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+    <｜tool▁call▁end｜>` (arguments right after the separator). The markers are added tokens:
+    the output keeps special tokens."""
+
+    name = "deepseek_v3"
+    start = _DS_CALLS_BEGIN
+    keeps_special_tokens = True
+    text_arguments = True  # the template concatenates a past call's arguments as text
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return cls.start in chat_template and _FENCE_OPEN in chat_template
+
+    def scan(self, section: str, final: bool) -> list[_Partial] | None:
+        calls: list[_Partial] = []
+        i = 0
+        while True:
+            i = _skip_ws(section, i)
+            rest = section[i:]
+            if not rest or rest.startswith(_DS_CALLS_END):
+                return calls if calls or not final else None
+            if not rest.startswith(_DS_CALL_BEGIN):
+                maybe = _DS_CALL_BEGIN.startswith(rest) or _DS_CALLS_END.startswith(rest)
+                return calls if not final and maybe else (None if final else calls)
+            call, end = self._call(section, i + len(_DS_CALL_BEGIN), final)
+            if call is None:
+                return None if final else calls
+            calls.append(call)
+            if end is None:
+                return calls
+            i = end
+
+    def _call(self, s: str, i: int, final: bool) -> tuple[_Partial | None, int | None]:
+        """One call after its begin marker: (what is known, index after it or None)."""
+        pending: tuple[_Partial | None, int | None] = (
+            (None, None) if final else (_Partial(None, "", False), None)
+        )
+        sep = s.find(_DS_SEP, i)
+        if sep < 0:
+            return pending
+        head, j = s[i:sep].strip(), sep + len(_DS_SEP)
+        if j >= len(s):
+            return pending
+        if s[j] == "{":  # V3.1: the name before the separator, the arguments after it
+            name, a, tail = head, j, [_DS_CALL_END]
+        else:  # V3: the type before it, then the name line and the fenced arguments
+            nl = s.find("\n", j)
+            if nl < 0:
+                return pending
+            name = s[j:nl].strip()
+            done, k = _closing(s, nl, [_FENCE_OPEN], final=False)
+            if done is None or not name:
+                return None, None
+            if not done:
+                return (None, None) if final else (_Partial(name, "", False), None)
+            a, tail = _skip_ws(s, k), [_FENCE_CLOSE, _DS_CALL_END]
+        if not name:
+            return None, None
+        if a >= len(s):
+            return (None, None) if final else (_Partial(name, "", False), None)
+        if s[a] != "{":
+            return None, None
+        stop = value_end(s, a)
+        if stop is None:
+            return (None, None) if final else (_Partial(name, s[a:], False), None)
+        args = s[a:stop]
+        if not _json_object(args):
+            return None, None
+        done, k = _closing(s, stop, tail, final)
+        if done is None:
+            return None, None
+        return (_Partial(name, args, True), k) if done else (_Partial(name, args, False), None)
+
+    def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
+        begin, sep, end = (_token(token_id, t) for t in (_DS_CALL_BEGIN, _DS_SEP, _DS_CALL_END))
+        rules = []
+        for k, tool in enumerate(tools):
+            fn = tool["function"]
+            params = fn.get("parameters") or {"type": "object", "properties": {}}
+            rules.append(f"call_{k}: {begin} {self._head(fn['name'], sep)} "
+                         f"{json_grammar_text(params)} {self._tail()} {end}")  # fmt: skip
+        alts = " | ".join(f"call_{k}" for k in range(len(tools)))
+        opener, closer = _token(token_id, _DS_CALLS_BEGIN), _token(token_id, _DS_CALLS_END)
+        return "\n".join([f"start: {opener} ({alts}) {closer}", *rules])
+
+    def _head(self, name: str, sep: str) -> str:
+        return f'"function" {sep} {_literal(name + chr(10) + _FENCE_OPEN + chr(10))}'
+
+    def _tail(self) -> str:
+        return _literal(chr(10) + _FENCE_CLOSE)
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls, `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`:
+    read as DeepSeekV3Parser reads them; a forced call is written this way."""
+
+    name = "deepseek_v31"
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return cls.start in chat_template and _DS_SEP in chat_template
+
+    def _head(self, name: str, sep: str) -> str:
+        return f"{_literal(name)} {sep}"
+
+    def _tail(self) -> str:
+        return ""
+
+
+_H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+_H_CONSTRAIN = "<|constrain|>"
+_H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_H_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_H_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z0-9_]+)")
+
+
+@dataclass
+class _HarmonyMessage:
+    """One message of a harmony output: where it starts, its header (role, channel, recipient,
+    content type; complete once `<|message|>` is seen) and its body so far."""
+
+    start: int
+    header: str
+    header_done: bool
+    body: str = ""
+    ended: bool = False
+
+    @property
+    def recipient(self) -> str | None:
+        m = _H_RECIPIENT.search(self.header)
+        return m.group(1) if m else None
+
+    @property
+    def channel(self) -> str | None:
+        m = _H_CHANNEL_NAME.search(self.header)
+        return m.group(1) if m else None
+
+
+def _harmony_messages(text: str) -> list[_HarmonyMessage]:
+    """The messages of `text` (the first one's `<|start|>assistant` is the prompt's)."""
+    out: list[_HarmonyMessage] = []
+    pos = 0
+    while pos < len(text):
+        start = pos
+        if text.startswith(_H_START, pos):
+            pos += len(_H_START)
+        h = text.find(_H_MESSAGE, pos)
+        if h < 0:
+            out.append(_HarmonyMessage(start, text[pos:], False))
+            break
+        b = h + len(_H_MESSAGE)
+        ends = [(e, m) for m in _H_ENDS if (e := text.find(m, b)) >= 0]
+        if not ends:
+            out.append(_HarmonyMessage(start, text[pos:h], True, text[b:]))
+            break
+        e, marker = min(ends)
+        out.append(_HarmonyMessage(start, text[pos:h], True, text[b:e], True))
+        pos = e + len(marker)
+    return out
+
+
+def _held(body: str) -> int:
+    """Characters at the end of a body that may be the start of a marker ending it."""
+    return max(_marker_prefix(body, m) for m in (*_H_ENDS, _H_START))
+
+
+_HARMONY_OPENERS = (_H_CHANNEL, _H_START, _H_CONSTRAIN, _H_MESSAGE, " to=", "to=")
+
+
+class HarmonyParser(ToolParser):
+    """gpt-oss's harmony messages: `<|channel|>analysis<|message|>...<|end|>` (reasoning, not
+    shown), `<|start|>assistant<|channel|>final<|message|>...` (the content) and calls as
+    `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+    {...}<|call|>` (the recipient may also follow the role). The markers are special tokens:
+    the output keeps them. Text that is not harmony at all is content as it is."""
+
+    name = "harmony"
+    start = "to=functions."
+    keeps_special_tokens = True
+    channels = True  # the content is read out of channels even when no tools are asked for
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return _H_CHANNEL in chat_template and _H_MESSAGE in chat_template
+
+    @staticmethod
+    def _plain(text: str) -> bool | None:
+        """Whether the output is not harmony (None: too little of it to tell)."""
+        body = text.lstrip()
+        if any(body.startswith(o) for o in _HARMONY_OPENERS):
+            return False
+        return None if any(o.startswith(body) for o in _HARMONY_OPENERS) else True
+
+    def locate(self, text: str) -> tuple[int, int] | None:
+        if self._plain(text) is not False:
+            return None
+        for m in _harmony_messages(text):
+            if (m.recipient or "").startswith("functions.") or (
+                not m.header_done and "to=functions." in m.header
+            ):
+                return m.start, m.start
+        return None
+
+    def undecided(self, text: str) -> int:
+        return len(text) if self._plain(text) is None else 0
+
+    def visible(self, text: str, final: bool) -> str:
+        plain = self._plain(text)
+        if plain or (plain is None and final):
+            return text
+        if plain is None:
+            return ""
+        shown = ""
+        for m in _harmony_messages(text):
+            if not m.header_done or m.recipient is not None:
+                continue
+            if m.channel not in ("final", "commentary", None):
+                continue  # analysis: the model's reasoning
+            body = m.body if m.ended or final else m.body[: len(m.body) - _held(m.body)]
+            if body:
+                shown += ("\n" if shown else "") + body
+        return shown
+
+    def scan(self, section: str, final: bool) -> list[_Partial] | None:
+        calls: list[_Partial] = []
+        for m in _harmony_messages(section):
+            to = m.recipient
+            if not m.header_done:
+                if to is not None and to.startswith("functions."):
+                    calls.append(_Partial(None, "", False))  # the name may still grow
+                break
+            if to is None or not to.startswith("functions."):
+                continue  # reasoning between calls
+            name = to[len("functions.") :]
+            done = m.ended or final
+            body = m.body if done else m.body[: len(m.body) - _held(m.body)]
+            a = _skip_ws(body, 0)
+            stop = value_end(body, a) if a < len(body) else None
+            if stop is None:
+                if done:
+                    return None
+                calls.append(_Partial(name, body[a:] if body[a : a + 1] == "{" else "", False))
+                break
+            args = body[a:stop]
+            if body[a] != "{" or not _json_object(args) or body[stop:].strip():
+                return None if final else calls
+            calls.append(_Partial(name, args, done))
+        return calls if calls or not final else None
+
+    def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
+        channel, constrain, message = (
+            _token(token_id, t) for t in (_H_CHANNEL, _H_CONSTRAIN, _H_MESSAGE)
+        )
+        rules = []
+        for k, tool in enumerate(tools):
+            fn = tool["function"]
+            params = fn.get("parameters") or {"type": "object", "properties": {}}
+            head = _literal(f"commentary to=functions.{fn['name']} ")
+            rules.append(f'call_{k}: {head} {constrain} "json" {message} '
+                         f"{json_grammar_text(params)}")  # fmt: skip
+        alts = " | ".join(f"call_{k}" for k in range(len(tools)))
+        return "\n".join([f"start: {channel} ({alts})", *rules])
+
+
+_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
+_PY_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+_PY_MAYBE = re.compile(r"(\[\s*([A-Za-z_][\w.]*\s*)?)?")
+
+
+def _python_end(s: str, i: int) -> tuple[list[int], int | None]:
+    """Top-level element boundaries of the Python list starting at s[i] == '[': (indices of
+    the commas between elements, index after the closing ']' or None while it is open)."""
+    depth, j, quote = 0, i, ""
+    commas: list[int] = []
+    while j < len(s):
+        c = s[j]
+        if quote:
+            if c == "\\":
+                j += 1
+            elif s.startswith(quote, j):
+                j += len(quote) - 1
+                quote = ""
+        elif c in "'\"":
+            quote = c * 3 if s.startswith(c * 3, j) else c
+            j += len(quote) - 1
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return commas, j + 1
+        elif c == "," and depth == 1:
+            commas.append(j)
+        j += 1
+    return commas, None
+
+
+def _python_call(text: str) -> ToolCall | None:
+    """`name(a=1, b="x")` as a call with JSON arguments; None unless it is one, with keyword
+    arguments whose values are Python literals."""
+    import ast
+
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call) or node.args:
+        return None
+    name = ast.unparse(node.func)
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+        return None
+    args: dict[str, Any] = {}
+    for kw in node.keywords:
+        if kw.arg is None:
+            return None
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, SyntaxError, TypeError):
+            return None
+    try:
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    except (TypeError, ValueError):  # a literal JSON cannot hold (a set, bytes, a complex)
+        return None
+
+
+class PythonicParser(ToolParser):
+    """Python-style calls, `[get_weather(city="Paris"), get_time(tz="UTC")]` (Llama 4 and 3.2
+    with a pythonic template), optionally inside `<|python_start|>...<|python_end|>`; only an
+    answer that starts with them is a call. Arguments become JSON text (`{"city": "Paris"}`);
+    a stream gives each call whole once its closing parenthesis is written."""
+
+    name = "pythonic"
+    start = _PY_START
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return "[func_name1(" in chat_template
+
+    def locate(self, text: str) -> tuple[int, int] | None:
+        body = text.lstrip()
+        lead = len(text) - len(body)
+        if body.startswith(self.start):
+            return 0, lead + len(self.start)
+        return (0, lead) if _PY_HEAD.match(body) else None
+
+    def undecided(self, text: str) -> int:
+        body = text.lstrip()
+        maybe = self.start.startswith(body) or _PY_MAYBE.fullmatch(body) is not None
+        return len(text) if maybe else 0
+
+    def scan(self, section: str, final: bool) -> list[_Partial] | None:
+        i = _skip_ws(section, 0)
+        if i >= len(section) or section[i] != "[":
+            return None if final or i < len(section) else []
+        commas, end = _python_end(section, i)
+        bounds = [i, *commas, end] if end is not None else [i, *commas]
+        calls: list[_Partial] = []
+        for a, b in zip(bounds, bounds[1:]):
+            part = section[a + 1 : b - 1 if b == end else b]
+            call = _python_call(part)
+            if call is None:
+                return None if final else calls
+            calls.append(_Partial(call.name, call.arguments, True))
+        if end is None or not final:
+            return None if final else calls
+        return calls if calls and section[end:].strip() in ("", _PY_END) else None
+
+    def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
+        raise ValueError(
+            "the pythonic format cannot force a call with a grammar (its arguments are Python, "
+            "not JSON); use tool_choice auto"
+        )
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser)
+    p.name: p
+    for p in (
+        HarmonyParser,
+        DeepSeekV3Parser,
+        DeepSeekV31Parser,
+        HermesParser,
+        MistralParser,
+        Llama3JsonParser,
+        PythonicParser,
+    )
 }
 
 
@@ -368,12 +802,13 @@ class ToolStream:
         if self.section is None:
             found = self.parser.locate(self.text)
             if found is None:
-                keep = 0 if final else self.parser.undecided(self.text)
-                out.content = self.text[self.sent : max(self.sent, len(self.text) - keep)]
-                self.sent += len(out.content)
+                shown = self.parser.visible(self.text, final)
+                out.content = shown[self.sent :]
+                self.sent = max(self.sent, len(shown))
                 return out
-            out.content = self.text[self.sent : found[0]]
-            self.sent = max(self.sent, found[0])
+            shown = self.parser.visible(self.text[: found[0]], True)
+            out.content = shown[self.sent :]
+            self.sent = max(self.sent, len(shown))
             self.section = found[1]
         calls = self.parser.scan(self.text[self.section :], final=False) or []
         for i, call in enumerate(calls):
