@@ -220,7 +220,8 @@ class CompletionOutput:
     """One generated continuation of a prompt. From LLM.chat, `tool_calls` holds the calls
     parsed from `text` when tools were given (empty when the model answered in prose) and
     `content` the text before the first call (None when nothing precedes it), or the whole text
-    when no call was made; generate() leaves both empty."""
+    when no call was made; `reasoning` the model's reasoning where its format sets it apart
+    (gpt-oss's analysis channel), else None; generate() leaves them empty."""
 
     index: int
     text: str
@@ -228,6 +229,7 @@ class CompletionOutput:
     finish_reason: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass

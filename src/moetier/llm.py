@@ -262,6 +262,7 @@ class LLM:
         out = self.generate([ids], params)[0]
         for c in out.outputs:
             c.content, c.tool_calls = plan.calls(c.text)
+            c.reasoning = plan.reasoning(c.text)
         return out
 
     def _tool_support(self, parser: str | None) -> ToolSupport:

@@ -74,6 +74,8 @@ def test_harmony_call_whole_and_streamed(toks: dict[str, Any]) -> None:
     assert engine.sent[0][1].skip_special_tokens is False  # the channel markers are kept
     deltas, reasons = _stream_deltas(http, _chat(tools=[WEATHER]))
     assert all(not d.get("content") for d in deltas)  # reasoning is not content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Weather tool."
+    assert choice["message"]["reasoning_content"] == "Weather tool."
     names = [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", [])
              if tc["function"].get("name")]  # fmt: skip
     args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))
@@ -83,15 +85,22 @@ def test_harmony_call_whole_and_streamed(toks: dict[str, Any]) -> None:
 def test_harmony_content_without_tools(toks: dict[str, Any]) -> None:
     http, engine = _app(toks["oss"], _pieces(FINAL, 5))
     r = http.post("/v1/chat/completions", json=_chat())
-    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hi!"}
+    assert r.json()["choices"][0]["message"] == {
+        "role": "assistant", "content": "Hi!", "reasoning_content": "Say hi."
+    }  # fmt: skip
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     deltas, reasons = _stream_deltas(http, _chat())
     assert "".join(d.get("content", "") for d in deltas) == "Hi!" and reasons[-1] == "stop"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Say hi."
+    first = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all(not d.get("reasoning_content") for d in deltas[first:])  # reasoning came first
     assert all(p.skip_special_tokens is False for _, p in engine.sent)
     # a call it was not offered stays out of the answer
     http, _ = _app(toks["oss"], [CALL])
     r = http.post("/v1/chat/completions", json=_chat(tools=[WEATHER], tool_choice="none"))
-    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    assert r.json()["choices"][0]["message"] == {
+        "role": "assistant", "content": "", "reasoning_content": "Weather tool."
+    }  # fmt: skip
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 

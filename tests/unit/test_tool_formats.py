@@ -97,13 +97,13 @@ GOLDEN: list[tuple[ToolParser, str, ParsedOutput]] = [
         B + _ds("f", "[1]") + E,
         ParsedOutput(B + _ds("f", "[1]") + E, []),
     ),
-    (HarmonyParser(), H_CALL, ParsedOutput(None, [WEATHER])),
-    (HarmonyParser(), H_TWO, ParsedOutput(None, HERMES_TWO_CALLS)),
+    (HarmonyParser(), H_CALL, ParsedOutput(None, [WEATHER], "Need the weather.")),
+    (HarmonyParser(), H_TWO, ParsedOutput(None, HERMES_TWO_CALLS, "And the time.")),
     (
         HarmonyParser(),
         "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
         "<|message|>Hello <|there!",
-        ParsedOutput("Hello <|there!", []),
+        ParsedOutput("Hello <|there!", [], "Think."),
     ),
     (
         HarmonyParser(),
@@ -115,7 +115,7 @@ GOLDEN: list[tuple[ToolParser, str, ParsedOutput]] = [
     (
         HarmonyParser(),
         "<|channel|>analysis<|message|>Only thinking",
-        ParsedOutput(None, []),
+        ParsedOutput(None, [], "Only thinking"),
     ),
     # malformed calls: the raw text
     (
@@ -168,6 +168,9 @@ def test_stream_by_character_equals_parse(
     content, deltas = _stream(parser, list(text))
     assert (content or None) == expected.content
     assert _merge(deltas) == expected.calls
+    stream = parser.stream()
+    reasoning = "".join(stream.feed(c, i == len(text) - 1).reasoning for i, c in enumerate(text))
+    assert (reasoning or None) == expected.reasoning
     # and in two pieces cut anywhere
     for cut in range(0, len(text), 7):
         content, deltas = _stream(parser, [text[:cut], text[cut:]])
@@ -361,7 +364,7 @@ def test_harmony_reads_the_content_without_tools(tmp_path: Path) -> None:
         final = (
             "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final<|message|>A"
         )
-        assert plan.calls(final) == ("A", [])
+        assert plan.calls(final) == ("A", []) and plan.reasoning(final) == "x"
     plan, _ = oss.plan([TOOLS[1]], "auto")
     assert plan.tools is True and plan.calls(H_CALL) == (None, [WEATHER])
     ds = ToolSupport(_checkpoint_tokenizer(tmp_path / "ds", "deepseek_v3", DSISH))

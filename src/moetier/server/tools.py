@@ -58,13 +58,14 @@ def final_message(
 ) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, the finish reason) of a whole answer."""
     content, calls = plan.calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    reasoning = plan.reasoning(text)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning  # vLLM's name for it
     if not calls:
-        return {"role": "assistant", "content": content or ""}, finish_reason
-    message = {
-        "role": "assistant",
-        "content": content,
-        "tool_calls": [c.to_openai(call_id()) for c in calls],
-    }
+        return message, finish_reason
+    message["content"] = content
+    message["tool_calls"] = [c.to_openai(call_id()) for c in calls]
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
@@ -83,6 +84,8 @@ class ChoiceStream:
             return {"content": text} if text else {}
         out: StreamDelta = self.stream.feed(text, final)
         delta: dict[str, Any] = {}
+        if out.reasoning:
+            delta["reasoning_content"] = out.reasoning
         if out.content:
             delta["content"] = out.content
         calls = []

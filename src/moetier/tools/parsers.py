@@ -27,6 +27,7 @@ from moetier.engine.structured import json_grammar_text
 class ParsedOutput:
     content: str | None  # text before the first call (None when there is none)
     calls: list[ToolCall]
+    reasoning: str | None = None  # set apart by the format (harmony's analysis channel)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class CallDelta:
 class StreamDelta:
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
@@ -172,6 +174,10 @@ class ToolParser:
         sends what it adds."""
         return text if final else text[: len(text) - self.undecided(text)]
 
+    def reasoning(self, text: str, final: bool) -> str:
+        """The reasoning the format sets apart in `text` (grows as `visible` does)."""
+        return ""
+
     def scan(self, section: str, final: bool) -> list[_Partial] | None:
         """Calls in the text after `start` (the last may be partial unless final); None when
         final and the calls are malformed."""
@@ -185,14 +191,16 @@ class ToolParser:
     def parse(self, text: str) -> ParsedOutput:
         """The whole output: content before the first call and the calls; malformed calls
         leave everything as content (the caller sees what the model wrote)."""
+        reasoning = self.reasoning(text, True) or None
         found = self.locate(text)
         if found is None:
-            return ParsedOutput(self.visible(text, True) or None, [])
+            return ParsedOutput(self.visible(text, True) or None, [], reasoning)
         calls = self.scan(text[found[1] :], final=True)
         if not calls or not all(c.complete and c.name is not None for c in calls):
             return ParsedOutput(text or None, [])
         content = self.visible(text[: found[0]], True) or None
-        return ParsedOutput(content, [ToolCall(c.name or "", c.arguments) for c in calls])
+        made = [ToolCall(c.name or "", c.arguments) for c in calls]
+        return ParsedOutput(content, made, reasoning)
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -593,12 +601,20 @@ class HarmonyParser(ToolParser):
             return text
         if plain is None:
             return ""
+        return self._bodies(text, final, analysis=False)
+
+    def reasoning(self, text: str, final: bool) -> str:
+        return "" if self._plain(text) is not False else self._bodies(text, final, analysis=True)
+
+    def _bodies(self, text: str, final: bool, analysis: bool) -> str:
+        """The bodies of the analysis messages, or of the shown ones (final, plain commentary),
+        one per line; a body's end that may open a marker is held back unless `final`."""
         shown = ""
         for m in _harmony_messages(text):
             if not m.header_done or m.recipient is not None:
                 continue
-            if m.channel not in ("final", "commentary", None):
-                continue  # analysis: the model's reasoning
+            if (m.channel == "analysis") != analysis:
+                continue
             body = m.body if m.ended or final else m.body[: len(m.body) - _held(m.body)]
             if body:
                 shown += ("\n" if shown else "") + body
@@ -795,10 +811,14 @@ class ToolStream:
         self.sent = 0  # characters of content handed out
         self.section: int | None = None  # where the calls start in `text`
         self.args_sent: list[int] = []  # per call: argument characters handed out
+        self.reasoning_sent = 0
 
     def feed(self, delta: str, final: bool = False) -> StreamDelta:
         self.text += delta
         out = StreamDelta()
+        reasoning = self.parser.reasoning(self.text, final)
+        out.reasoning = reasoning[self.reasoning_sent :]
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         if self.section is None:
             found = self.parser.locate(self.text)
             if found is None:

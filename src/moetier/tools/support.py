@@ -64,6 +64,10 @@ class ToolPlan:
         calls = calls if self.parallel else calls[:1]
         return (parsed.content, calls) if calls else (parsed.content or "", [])
 
+    def reasoning(self, text: str) -> str | None:
+        """The reasoning the format sets apart in a whole answer (None: none)."""
+        return (self.parser.reasoning(text, True) or None) if self.parser is not None else None
+
 
 def template_arguments(text: str) -> Any:
     """Arguments of a past call as templates expect them: a dict when the text is JSON."""
