@@ -369,3 +369,17 @@ def test_harmony_reads_the_content_without_tools(tmp_path: Path) -> None:
     assert plan.tools is True and plan.calls(H_CALL) == (None, [WEATHER])
     ds = ToolSupport(_checkpoint_tokenizer(tmp_path / "ds", "deepseek_v3", DSISH))
     assert ds.plan(None, None)[0].parser is None  # only channelled formats read content
+
+
+@pytest.mark.parametrize("parser,text,expected", GOLDEN)
+def test_every_cut_of_an_output_parses_to_valid_calls(
+    parser: ToolParser, text: str, expected: ParsedOutput
+) -> None:
+    """An output cut anywhere (max_tokens) parses without error; any call it gives has a name
+    and a JSON object for arguments, else the text is all content."""
+    for k in range(len(text) + 1):
+        got = parser.parse(text[:k])
+        for call in got.calls:
+            assert call.name and isinstance(json.loads(call.arguments), dict), (k, got)
+        if not got.calls and parser.locate(text[:k]) is not None:
+            assert got.content == (text[:k] or None)
