@@ -13,19 +13,20 @@ import torch
 
 from moetier.core import StructuredOutput
 from moetier.engine.structured import GrammarMasks, compile_grammar
+from moetier.tools.deepseek import DeepSeekV3Parser, DeepSeekV31Parser
+from moetier.tools.harmony import HarmonyParser
 from moetier.tools.parsers import (
     CallDelta,
-    DeepSeekV3Parser,
-    DeepSeekV31Parser,
-    HarmonyParser,
     HermesParser,
     Llama3JsonParser,
     ParsedOutput,
-    PythonicParser,
     ToolCall,
     ToolParser,
     detect_tool_parser,
+    get_tool_parser,
+    tool_parsers,
 )
+from moetier.tools.pythonic import PythonicParser
 from moetier.tools.support import ToolSupport, template_messages
 from tests.server.tiny import EOS, VOCAB, save_byte_tokenizer
 from tests.unit.test_tool_parsers import HERMES_TWO_CALLS, _merge, _stream
@@ -313,6 +314,11 @@ def test_detect_from_templates() -> None:
     )
     assert type(detect_tool_parser("<tool_call>")) is HermesParser
     assert type(detect_tool_parser("{{ '<|python_tag|>' }}")) is Llama3JsonParser
+    assert list(tool_parsers()) == ["hermes", "mistral", "llama3_json", "deepseek_v3",
+                                    "deepseek_v31", "harmony", "pythonic"]  # fmt: skip
+    assert type(get_tool_parser("harmony")) is HarmonyParser
+    with pytest.raises(KeyError, match="known: deepseek_v3, deepseek_v31, harmony, hermes"):
+        get_tool_parser("nope")
 
 
 # A DeepSeek-like template that names no tool markers and concatenates arguments as text

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.core import StructuredOutput, ToolCall
-from moetier.tools.parsers import TOOL_PARSERS, ToolParser, detect_tool_parser, get_tool_parser
+from moetier.tools.parsers import ToolParser, detect_tool_parser, get_tool_parser, tool_parsers
 
 _PROBE_TOOL = {
     "type": "function",
@@ -231,7 +231,7 @@ class ToolSupport:
         if parser is None:
             raise ToolError(
                 "the tool-call format of this model's chat template is not known; start the "
-                f"server with --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})",
+                f"server with --tool-call-parser ({', '.join(sorted(tool_parsers()))})",
                 "tools",
             )
         forced = None
