@@ -25,22 +25,35 @@ class StructuredOutput:
     """What the generated text must match, enforced token by token while sampling.
 
     Exactly one of: `json` (a JSON Schema, as a dict or its JSON text), `json_object` (any JSON
-    object) or `grammar` (a Lark grammar in llguidance's syntax, which may embed JSON schemas
-    with `%json {...}`). The shape of vLLM's StructuredOutputsParams; whether the grammar library
-    accepts the schema is checked when the request is queued.
+    object), `grammar` (a Lark grammar in llguidance's syntax, which may embed JSON schemas
+    with `%json {...}`), `regex` (the whole output matches it) or `choice` (the output is one of
+    these strings). The shape of vLLM's StructuredOutputsParams; whether the grammar library
+    accepts the schema or regex is checked when the request is queued.
     """
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     grammar: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self) -> None:
-        given = [self.json is not None, self.json_object is True, self.grammar is not None]
+        given = [
+            self.json is not None,
+            self.json_object is True,
+            self.grammar is not None,
+            self.regex is not None,
+            self.choice is not None,
+        ]
         if sum(given) != 1:
             raise ConfigError(
-                "StructuredOutput takes exactly one of json=<schema>, json_object=True or "
-                f"grammar=<lark>; got {sum(given)}"
+                "StructuredOutput takes exactly one of json=<schema>, json_object=True, "
+                f"grammar=<lark>, regex=<pattern> or choice=<strings>; got {sum(given)}"
             )
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ConfigError(f"regex must be a string, got {self.regex!r}")
+        if self.choice is not None:
+            _check_choice("choice", self.choice)
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
@@ -71,8 +84,13 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, grammar)
     skip_special_tokens: bool = True  # False: special tokens show in the text (not the last EOS)
+    # vLLM's guided decoding shorthands: the output is one of these strings / matches this regex
+    # (each sets `structured`; at most one of them and `structured` may be given)
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
 
     def __post_init__(self) -> None:
+        self._guided()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check_int("max_tokens", self.max_tokens)
@@ -108,9 +126,39 @@ class SamplingParams:
                 # the grammar ends the output with EOS; past it nothing may be generated
                 raise ConfigError("ignore_eos cannot be combined with structured output")
 
+    def _guided(self) -> None:
+        """guided_choice / guided_regex as `structured` (kept when `structured` already is what
+        they ask for: dataclasses.replace runs this again on the filled-in params)."""
+        if self.guided_choice is not None and self.guided_regex is not None:
+            raise ConfigError("guided_choice and guided_regex cannot be combined; give one")
+        if self.guided_choice is not None:
+            _check_choice("guided_choice", self.guided_choice)
+            guided, name = StructuredOutput(choice=list(self.guided_choice)), "guided_choice"
+        elif self.guided_regex is not None:
+            if not isinstance(self.guided_regex, str):
+                raise ConfigError(f"guided_regex must be a string, got {self.guided_regex!r}")
+            guided, name = StructuredOutput(regex=self.guided_regex), "guided_regex"
+        else:
+            return
+        if self.structured is None:
+            self.structured = guided
+        elif self.structured != guided:
+            raise ConfigError(
+                f"{name} cannot be combined with structured={self.structured!r}; give one"
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _check_choice(name: str, value: object) -> None:
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or not all(isinstance(c, str) for c in value)
+    ):
+        raise ConfigError(f"{name} must be a non-empty list of strings, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:
@@ -172,7 +220,8 @@ class CompletionOutput:
     """One generated continuation of a prompt. From LLM.chat, `tool_calls` holds the calls
     parsed from `text` when tools were given (empty when the model answered in prose) and
     `content` the text before the first call (None when nothing precedes it), or the whole text
-    when no call was made; generate() leaves both empty."""
+    when no call was made; `reasoning` the model's reasoning where its format sets it apart
+    (gpt-oss's analysis channel), else None; generate() leaves them empty."""
 
     index: int
     text: str
@@ -180,6 +229,7 @@ class CompletionOutput:
     finish_reason: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass

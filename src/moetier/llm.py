@@ -241,7 +241,7 @@ class LLM:
         parsed calls (`content`: the text before them, or the whole text when no call).
         `tool_parser` names the format when the template's is not detected (the server's
         --tool-call-parser)."""
-        from moetier.tools.support import ToolError, template_messages
+        from moetier.tools.support import ToolError
 
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
@@ -260,10 +260,11 @@ class LLM:
             params = replace(params, structured=plan.forced)
         if plan.parser is not None and plan.parser.keeps_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        ids = support.render(template_messages(messages), rendered)
+        ids = support.render(messages, rendered)
         out = self.generate([ids], params)[0]
         for c in out.outputs:
             c.content, c.tool_calls = plan.calls(c.text)
+            c.reasoning = plan.reasoning(c.text)
         return out
 
     def _tool_support(self, parser: str | None) -> ToolSupport:

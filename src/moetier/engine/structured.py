@@ -1,8 +1,9 @@
 """Structured output: one grammar matcher per constrained request and the token masks they give.
 
-Owns the compiled grammars (llguidance), each constrained request's matcher (advanced with every
-token the request accepts) and the batched masking of logits; it never chooses tokens (the
-sampler does) and costs nothing when no request of a step is constrained.
+Owns the compiled grammars (llguidance: JSON schemas, Lark grammars, regexes, choices of literal
+strings), each constrained request's matcher (advanced with every token the request accepts) and
+the batched masking of logits; it never chooses tokens (the sampler does) and costs nothing when
+no request of a step is constrained.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ _COMPILED_MAX = 256
 def compile_grammar(spec: StructuredOutput) -> str:
     """The llguidance grammar of `spec`; ConfigError naming the problem if the library rejects
     it (an unsupported keyword, a bad regex, a Lark syntax error). Needs no tokenizer."""
-    key = json.dumps([spec.json, spec.json_object, spec.grammar], sort_keys=True)
+    key = json.dumps(
+        [spec.json, spec.json_object, spec.grammar, spec.regex, spec.choice], sort_keys=True
+    )
     grammar = _COMPILED.get(key)
     if grammar is None:
         grammar = _compile(spec)
@@ -66,8 +69,13 @@ def compile_grammar(spec: StructuredOutput) -> str:
 
 def _compile(spec: StructuredOutput) -> str:
     lib = _llguidance()
+    what = "JSON schema"
     if spec.grammar is not None:
-        grammar = lib.LLMatcher.grammar_from_lark(spec.grammar)
+        grammar, what = lib.LLMatcher.grammar_from_lark(spec.grammar), "grammar"
+    elif spec.regex is not None:
+        grammar, what = lib.LLMatcher.grammar_from_regex(spec.regex), "regex"
+    elif spec.choice is not None:
+        grammar, what = lib.LLMatcher.grammar_from_lark(choice_grammar(spec.choice)), "choice"
     else:
         schema = ANY_OBJECT if spec.json_object else spec.json
         assert schema is not None
@@ -77,9 +85,13 @@ def _compile(spec: StructuredOutput) -> str:
             raise ConfigError(f"invalid JSON schema: {exc}") from exc
     error = lib.LLMatcher.validate_grammar(grammar)
     if error:
-        what = "grammar" if spec.grammar is not None else "JSON schema"
         raise ConfigError(f"unsupported {what}: {error.strip()}")
     return str(grammar)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """A Lark grammar matching exactly one of `choices` (literal strings, JSON-escaped)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarMasks:

@@ -25,7 +25,7 @@ from moetier.config import (
 )
 from moetier.errors import ConfigError
 from moetier.threads import THREADS_HELP, threads_arg
-from moetier.tools.parsers import TOOL_PARSERS
+from moetier.tools.parsers import tool_parsers
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=KV_CACHE_DTYPE_HELP)  # fmt: skip
     p.add_argument("--max-body-bytes", type=_positive, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+    p.add_argument("--tool-call-parser", choices=sorted(tool_parsers()), default=None,
                    help="format of the model's tool calls (default: detected from its chat "
                    "template)")  # fmt: skip
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=30.0,

@@ -111,8 +111,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "web_search_options": (None,),
     "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "include_stop_str_in_output": (None, False),
@@ -140,6 +138,8 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
     skip_special_tokens: bool = True  # vLLM extension
     response_format: ResponseFormat | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)  # vLLM extension
+    guided_regex: str | None = None  # vLLM extension
 
     def unsupported(self) -> str | None:
         """The first field this server does not implement that asks for something."""

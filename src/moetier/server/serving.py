@@ -121,14 +121,14 @@ class Serving:
             )
         except ToolError as exc:
             raise APIError(400, str(exc), param=exc.param, code="unsupported") from exc
-        structured = self._structured(body)
+        structured, field_name = self._constraint(body)
         if plan.forced is not None:
             if structured is not None:
                 raise APIError(
                     400,
-                    "response_format cannot be combined with a forced tool call (tool_choice "
+                    f"{field_name} cannot be combined with a forced tool call (tool_choice "
                     "required or a named function)",
-                    param="response_format",
+                    param=field_name,
                 )
             structured = self._checked(plan.forced, "tool_choice")
         prompt = self._chat_prompt(body, tools)
@@ -144,7 +144,7 @@ class Serving:
         prompts = self._completion_prompts(body.prompt)
         job = self._start(
             prompts, body, body.max_tokens, body.logprobs, chat=False,
-            structured=self._structured(body),
+            structured=self._constraint(body)[0],
         )  # fmt: skip
         return await self._respond(job, body, request)
 
@@ -160,6 +160,34 @@ class Serving:
                 param=field_name,
                 code="unsupported_field",
             )
+
+    def _constraint(self, body: Body) -> tuple[StructuredOutput | None, str | None]:
+        """(the output constraint, the field that asked for it): response_format (JSON),
+        guided_choice or guided_regex, at most one of them; checked by the grammar library
+        (400 naming the field if refused)."""
+        asked: list[tuple[str, StructuredOutput]] = []
+        fmt = self._structured(body)
+        if fmt is not None:
+            asked.append(("response_format", fmt))
+        if body.guided_choice is not None:
+            asked.append(("guided_choice", StructuredOutput(choice=list(body.guided_choice))))
+        if body.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput(regex=body.guided_regex)))
+        if len(asked) > 1:
+            names = " and ".join(name for name, _ in asked)
+            raise APIError(
+                400,
+                f"{names} cannot be combined: give at most one of response_format (JSON), "
+                "guided_choice and guided_regex",
+                param=asked[1][0],
+            )
+        if not asked:
+            return None, None
+        name, spec = asked[0]
+        if name != "response_format":
+            code = "invalid_regex" if name == "guided_regex" else "invalid_choice"
+            spec = self._checked(spec, name, code)
+        return spec, name
 
     def _structured(self, body: Body) -> StructuredOutput | None:
         """The response_format's constraint, checked by the grammar library (400 if refused)."""
@@ -178,11 +206,13 @@ class Serving:
             spec = StructuredOutput(json_object=True)
         return self._checked(spec, "response_format")
 
-    def _checked(self, spec: StructuredOutput, param: str) -> StructuredOutput:
+    def _checked(
+        self, spec: StructuredOutput, param: str, code: str = "invalid_schema"
+    ) -> StructuredOutput:
         try:
             compile_grammar(spec)
         except ConfigError as exc:
-            raise APIError(400, str(exc), param=param, code="invalid_schema") from exc
+            raise APIError(400, f"{param}: {exc}", param=param, code=code) from exc
         return spec
 
     def _has_template(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from moetier.server.protocol import ChatCompletionRequest
 from moetier.tools.parsers import StreamDelta, ToolStream
-from moetier.tools.support import ToolPlan, ToolSupport, template_arguments
+from moetier.tools.support import ToolPlan, ToolSupport
 
 
 def call_id() -> str:
@@ -20,8 +20,8 @@ def call_id() -> str:
 
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The conversation as chat-template input (past calls' arguments as dicts, as
-    transformers' templates take them)."""
+    """The conversation as OpenAI-style dicts (past calls' arguments as the JSON text sent; the
+    tool support renders them as the template takes them)."""
     out = []
     for m in body.messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -30,10 +30,7 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {
-                        "name": c.function.name,
-                        "arguments": template_arguments(c.function.arguments),
-                    },
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
                 }
                 for c in m.tool_calls
             ]
@@ -61,13 +58,14 @@ def final_message(
 ) -> tuple[dict[str, Any], str | None]:
     """(the assistant message, the finish reason) of a whole answer."""
     content, calls = plan.calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    reasoning = plan.reasoning(text)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning  # vLLM's name for it
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    message = {
-        "role": "assistant",
-        "content": content,
-        "tool_calls": [c.to_openai(call_id()) for c in calls],
-    }
+        return message, finish_reason
+    message["content"] = content
+    message["tool_calls"] = [c.to_openai(call_id()) for c in calls]
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
@@ -86,11 +84,13 @@ class ChoiceStream:
             return {"content": text} if text else {}
         out: StreamDelta = self.stream.feed(text, final)
         delta: dict[str, Any] = {}
+        if out.reasoning:
+            delta["reasoning_content"] = out.reasoning
         if out.content:
             delta["content"] = out.content
         calls = []
         for c in out.calls:
-            if not self.plan.parallel and c.index > 0:
+            if not self.plan.tools or (not self.plan.parallel and c.index > 0):
                 continue
             if c.name is not None:
                 self.ids.append(call_id())
@@ -109,5 +109,5 @@ class ChoiceStream:
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
-        called = self.stream is not None and self.stream.called
+        called = self.stream is not None and self.stream.called and self.plan.tools
         return "tool_calls" if called and reason == "stop" else reason

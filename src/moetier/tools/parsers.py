@@ -1,9 +1,11 @@
 """Tool-call formats: parsing model output into OpenAI tool calls, whole or as it streams.
 
-One small class per format behind a registry (`hermes`: Qwen/Hermes
+One small class per format behind a registry: here the JSON-call formats (`hermes`: Qwen/Hermes
 `<tool_call>{...}</tool_call>`, `mistral`: `[TOOL_CALLS][{...}, ...]`, `llama3_json`: Llama 3.x's
-bare `{"name": ..., "parameters": ...}`); each also writes the grammar that forces a call in its
-format. Plain text in, plain data out: no engine, no HTTP.
+bare `{"name": ..., "parameters": ...}`) and what every format shares (the stream, JSON and
+marker scanning); in their own modules `deepseek_v3` / `deepseek_v31` (deepseek.py), `harmony`
+(harmony.py, gpt-oss) and `pythonic` (pythonic.py). Each also writes the grammar that forces a
+call in its format. Plain text in, plain data out: no engine, no HTTP.
 
 A call's `arguments` is the JSON text of its arguments object exactly as the model wrote it, so
 a stream's argument deltas concatenate to the same string the whole-output parse returns.
@@ -15,7 +17,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from moetier.core import ToolCall as ToolCall  # defined in core: outputs carry it
 from moetier.engine.structured import json_grammar_text
@@ -25,6 +27,7 @@ from moetier.engine.structured import json_grammar_text
 class ParsedOutput:
     content: str | None  # text before the first call (None when there is none)
     calls: list[ToolCall]
+    reasoning: str | None = None  # set apart by the format (harmony's analysis channel)
 
 
 @dataclass
@@ -40,10 +43,11 @@ class CallDelta:
 class StreamDelta:
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
-class _Partial:
+class PartialCall:
     """A call as far as it is written: name once complete, arguments text so far."""
 
     name: str | None
@@ -100,17 +104,17 @@ def value_end(s: str, i: int) -> int | None:
     return None
 
 
-def _skip_ws(s: str, i: int) -> int:
+def skip_ws(s: str, i: int) -> int:
     while i < len(s) and s[i] in " \t\r\n":
         i += 1
     return i
 
 
-def scan_call_object(s: str, i: int, closed: bool) -> tuple[_Partial | None, int | None]:
+def scan_call_object(s: str, i: int, closed: bool) -> tuple[PartialCall | None, int | None]:
     """The call object `{"name": ..., "arguments": {...}}` starting at or after s[i]: (what is
     known of it, index after it or None while incomplete). `closed`: no more text will come;
     then an incomplete or invalid object gives (None, None)."""
-    i = _skip_ws(s, i)
+    i = skip_ws(s, i)
     end = value_end(s, i)
     if end is not None:
         try:
@@ -127,17 +131,17 @@ def scan_call_object(s: str, i: int, closed: bool) -> tuple[_Partial | None, int
             text = s[head.end() : stop]  # as written
         else:
             text = json.dumps(args, ensure_ascii=False)
-        return _Partial(obj["name"], text, True), end
+        return PartialCall(obj["name"], text, True), end
     if closed:
         return None, None
     head = _HEAD.match(s, i)
     if head is None:
-        return _Partial(None, "", False), None
+        return PartialCall(None, "", False), None
     name = json.loads(head.group(1))
     stop = value_end(s, head.end())
     rest = s[head.end() : stop]  # the arguments so far, and never what follows them
     # a string-valued arguments field is decoded once complete; an object streams as written
-    return _Partial(name, "" if rest.startswith('"') else rest, False), None
+    return PartialCall(name, "" if rest.startswith('"') else rest, False), None
 
 
 class ToolParser:
@@ -146,6 +150,8 @@ class ToolParser:
     name: ClassVar[str]
     start: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False  # the marker is a special token
+    text_arguments: ClassVar[bool] = False  # templates take past calls' arguments as JSON text
+    channels: ClassVar[bool] = False  # the content itself needs parsing, with or without tools
 
     @classmethod
     def detect(cls, chat_template: str) -> bool:
@@ -160,9 +166,19 @@ class ToolParser:
     def undecided(self, text: str) -> int:
         """How many characters at the end of `text` (no call located in it) may still turn
         out to open a call: a stream holds them back."""
-        return _marker_prefix(text, self.start)
+        return marker_prefix(text, self.start)
 
-    def scan(self, section: str, final: bool) -> list[_Partial] | None:
+    def visible(self, text: str, final: bool) -> str:
+        """The content shown for `text`, the output before any call (all of it when `final`,
+        else without what may still open a call). Only ever grows as `text` does: a stream
+        sends what it adds."""
+        return text if final else text[: len(text) - self.undecided(text)]
+
+    def reasoning(self, text: str, final: bool) -> str:
+        """The reasoning the format sets apart in `text` (grows as `visible` does)."""
+        return ""
+
+    def scan(self, section: str, final: bool) -> list[PartialCall] | None:
         """Calls in the text after `start` (the last may be partial unless final); None when
         final and the calls are malformed."""
         raise NotImplementedError
@@ -175,14 +191,16 @@ class ToolParser:
     def parse(self, text: str) -> ParsedOutput:
         """The whole output: content before the first call and the calls; malformed calls
         leave everything as content (the caller sees what the model wrote)."""
+        reasoning = self.reasoning(text, True) or None
         found = self.locate(text)
         if found is None:
-            return ParsedOutput(text or None, [])
+            return ParsedOutput(self.visible(text, True) or None, [], reasoning)
         calls = self.scan(text[found[1] :], final=True)
         if not calls or not all(c.complete and c.name is not None for c in calls):
             return ParsedOutput(text or None, [])
-        content = text[: found[0]] or None
-        return ParsedOutput(content, [ToolCall(c.name or "", c.arguments) for c in calls])
+        content = self.visible(text[: found[0]], True) or None
+        made = [ToolCall(c.name or "", c.arguments) for c in calls]
+        return ParsedOutput(content, made, reasoning)
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -219,10 +237,20 @@ def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str
     return {**schema, **hoisted}
 
 
-def _literal(text: str) -> str:
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}  # name -> format, in registration order
+_P = TypeVar("_P", bound=type[ToolParser])
+
+
+def register(cls: _P) -> _P:
+    TOOL_PARSERS[cls.name] = cls
+    return cls
+
+
+def grammar_literal(text: str) -> str:
     return json.dumps(text)
 
 
+@register
 class HermesParser(ToolParser):
     """`<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call
     (Hermes 2 Pro, Qwen2.5/Qwen3, the demo model's template)."""
@@ -231,8 +259,8 @@ class HermesParser(ToolParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
-    def scan(self, section: str, final: bool) -> list[_Partial] | None:
-        calls: list[_Partial] = []
+    def scan(self, section: str, final: bool) -> list[PartialCall] | None:
+        calls: list[PartialCall] = []
         pos = 0
         while True:
             close = section.find(self.end, pos)
@@ -250,9 +278,11 @@ class HermesParser(ToolParser):
 
     def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
         body = json_grammar_text(call_schema(tools))
-        return f"start: {_literal(self.start + chr(10))} {body} {_literal(chr(10) + self.end)}"
+        opener, closer = grammar_literal(self.start + "\n"), grammar_literal("\n" + self.end)
+        return f"start: {opener} {body} {closer}"
 
 
+@register
 class MistralParser(ToolParser):
     """`[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` (Mistral 7B v0.3, Mixtral 8x22B,
     Mistral Nemo). `[TOOL_CALLS]` is a special token: the output must keep special tokens."""
@@ -261,9 +291,9 @@ class MistralParser(ToolParser):
     start = "[TOOL_CALLS]"
     keeps_special_tokens = True
 
-    def scan(self, section: str, final: bool) -> list[_Partial] | None:
-        calls: list[_Partial] = []
-        i = _skip_ws(section, 0)
+    def scan(self, section: str, final: bool) -> list[PartialCall] | None:
+        calls: list[PartialCall] = []
+        i = skip_ws(section, 0)
         if i >= len(section) or section[i] != "[":
             return None if final or i < len(section) else calls
         i += 1
@@ -274,7 +304,7 @@ class MistralParser(ToolParser):
             calls.append(call)
             if end is None:
                 return calls
-            i = _skip_ws(section, end)
+            i = skip_ws(section, end)
             if i < len(section) and section[i] == ",":
                 i += 1
                 continue
@@ -284,10 +314,11 @@ class MistralParser(ToolParser):
 
     def forced_grammar(self, tools: list[dict[str, Any]], token_id: Callable[[str], Any]) -> str:
         tid = token_id(self.start)
-        opener = f"<[{tid}]>" if tid is not None else _literal(self.start)
+        opener = f"<[{tid}]>" if tid is not None else grammar_literal(self.start)
         return f'start: {opener} "[" {json_grammar_text(call_schema(tools))} "]"'
 
 
+@register
 class Llama3JsonParser(ToolParser):
     """Llama 3.1-3.3's JSON calls: the answer is `{"name": "f", "parameters": {...}}` (after
     `<|python_tag|>` or alone), several separated by `;`. Only an answer that starts with one
@@ -310,8 +341,8 @@ class Llama3JsonParser(ToolParser):
     def undecided(self, text: str) -> int:
         return len(text) if self.start.startswith(text.lstrip()) else 0
 
-    def scan(self, section: str, final: bool) -> list[_Partial] | None:
-        calls: list[_Partial] = []
+    def scan(self, section: str, final: bool) -> list[PartialCall] | None:
+        calls: list[PartialCall] = []
         i = 0
         while True:
             call, end = scan_call_object(section, i, closed=final)
@@ -320,7 +351,7 @@ class Llama3JsonParser(ToolParser):
             calls.append(call)
             if end is None:
                 return calls
-            i = _skip_ws(section, end)
+            i = skip_ws(section, end)
             if i < len(section) and section[i] == ";":
                 i += 1
                 continue
@@ -330,21 +361,58 @@ class Llama3JsonParser(ToolParser):
         return f"start: {json_grammar_text(call_schema(tools, 'parameters'))}"
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, MistralParser, Llama3JsonParser)
-}
+def marker_item(token_id: Callable[[str], Any], text: str) -> str:
+    """A grammar item for a marker: its token (`<[id]>`) when it is one, else its text."""
+    tid = token_id(text)
+    return f"<[{tid}]>" if tid is not None else grammar_literal(text)
+
+
+def closing_markers(s: str, k: int, tail: list[str], final: bool) -> tuple[bool | None, int]:
+    """Match the markers `tail` (whitespace between them allowed) at s[k:]: (True, index after
+    them) when all are there or the text ends early at `final` (an output cut at EOS), (False,
+    k) while the rest of the text may still become them, (None, k) when it cannot."""
+    for marker in tail:
+        k = skip_ws(s, k)
+        if s.startswith(marker, k):
+            k += len(marker)
+            continue
+        rest = s[k:]
+        if not rest:
+            return (True, k) if final else (False, k)
+        return (False, k) if not final and marker.startswith(rest) else (None, k)
+    return True, k
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def _load_builtin() -> None:
+    # Importing a format module registers it (after this module's own formats).
+    from moetier.tools import deepseek, harmony, pythonic  # noqa: F401
+
+
+def tool_parsers() -> dict[str, type[ToolParser]]:
+    """Every known format by name, in detection order."""
+    _load_builtin()
+    return TOOL_PARSERS
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    if name not in TOOL_PARSERS:
-        known = ", ".join(sorted(TOOL_PARSERS))
+    parsers = tool_parsers()
+    if name not in parsers:
+        known = ", ".join(sorted(parsers))
         raise KeyError(f"unknown tool-call format {name!r}; known: {known}")
-    return TOOL_PARSERS[name]()
+    return parsers[name]()
 
 
 def detect_tool_parser(chat_template: str) -> ToolParser | None:
-    """The format a chat template writes calls in (by its marker); None if none is known."""
-    for cls in TOOL_PARSERS.values():
+    """The format a chat template writes calls in (by its marker); None if none is known.
+    Formats are tried in registration order; their markers do not overlap."""
+    for cls in tool_parsers().values():
         if cls.detect(chat_template):
             return cls()
     return None
@@ -361,19 +429,24 @@ class ToolStream:
         self.sent = 0  # characters of content handed out
         self.section: int | None = None  # where the calls start in `text`
         self.args_sent: list[int] = []  # per call: argument characters handed out
+        self.reasoning_sent = 0
 
     def feed(self, delta: str, final: bool = False) -> StreamDelta:
         self.text += delta
         out = StreamDelta()
+        reasoning = self.parser.reasoning(self.text, final)
+        out.reasoning = reasoning[self.reasoning_sent :]
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         if self.section is None:
             found = self.parser.locate(self.text)
             if found is None:
-                keep = 0 if final else self.parser.undecided(self.text)
-                out.content = self.text[self.sent : max(self.sent, len(self.text) - keep)]
-                self.sent += len(out.content)
+                shown = self.parser.visible(self.text, final)
+                out.content = shown[self.sent :]
+                self.sent = max(self.sent, len(shown))
                 return out
-            out.content = self.text[self.sent : found[0]]
-            self.sent = max(self.sent, found[0])
+            shown = self.parser.visible(self.text[: found[0]], True)
+            out.content = shown[self.sent :]
+            self.sent = max(self.sent, len(shown))
             self.section = found[1]
         calls = self.parser.scan(self.text[self.section :], final=False) or []
         for i, call in enumerate(calls):
@@ -392,7 +465,7 @@ class ToolStream:
         return bool(self.args_sent)
 
 
-def _marker_prefix(text: str, marker: str) -> int:
+def marker_prefix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

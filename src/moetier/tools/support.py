@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from moetier.core import StructuredOutput, ToolCall
-from moetier.tools.parsers import TOOL_PARSERS, ToolParser, detect_tool_parser, get_tool_parser
+from moetier.tools.parsers import ToolParser, detect_tool_parser, get_tool_parser, tool_parsers
 
 _PROBE_TOOL = {
     "type": "function",
@@ -25,6 +26,13 @@ _PROBE_TOOL = {
     },
 }
 _CHOICES = ("none", "auto", "required")
+# The format of a family whose chat template names none the parsers detect (config.json's
+# model_type -> parser); a template that does name one wins, --tool-call-parser over both.
+MODEL_TYPE_PARSERS: dict[str, str] = {
+    "deepseek_v2": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
+    "gpt_oss": "harmony",
+}
 
 
 class ToolError(ValueError):
@@ -43,15 +51,22 @@ class ToolPlan:
     parser: ToolParser | None = None
     forced: StructuredOutput | None = None
     parallel: bool = True
+    tools: bool = True  # False: the format only reads the content (harmony without tools)
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content before the first call, the calls) of a whole answer; (text, []) without a
-        format or when the model made no well-formed call."""
+        """(content before the first call, the calls) of a whole answer; (the content, []) when
+        the model made no well-formed call: the text itself, or for a channelled format
+        (harmony) what it shows; (text, []) without a format."""
         if self.parser is None:
             return text, []
         parsed = self.parser.parse(text)
-        calls = parsed.calls if self.parallel else parsed.calls[:1]
-        return (parsed.content, calls) if calls else (text, [])
+        calls = parsed.calls if self.tools else []
+        calls = calls if self.parallel else calls[:1]
+        return (parsed.content, calls) if calls else (parsed.content or "", [])
+
+    def reasoning(self, text: str) -> str | None:
+        """The reasoning the format sets apart in a whole answer (None: none)."""
+        return (self.parser.reasoning(text, True) or None) if self.parser is not None else None
 
 
 def template_arguments(text: str) -> Any:
@@ -63,23 +78,46 @@ def template_arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], as_text: bool = False
+) -> list[dict[str, Any]]:
     """OpenAI-style messages as chat templates take them: past calls' JSON-text arguments as
-    dicts (the messages themselves are not changed)."""
+    dicts, or (`as_text`, templates that concatenate them) dict arguments as JSON text; the
+    messages themselves are not changed."""
     out = []
     for m in messages:
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if calls:
-            m = {**m, "tool_calls": [_template_call(c) for c in calls]}
+            m = {**m, "tool_calls": [_template_call(c, as_text) for c in calls]}
         out.append(m)
     return out
 
 
-def _template_call(call: Any) -> Any:
+def _template_call(call: Any, as_text: bool) -> Any:
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+    if not isinstance(fn, dict):
         return call
-    return {**call, "function": {**fn, "arguments": template_arguments(fn["arguments"])}}
+    args = fn.get("arguments")
+    if as_text and not isinstance(args, str) and args is not None:
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        args = template_arguments(args)
+    else:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def checkpoint_model_type(tokenizer: Any) -> str | None:
+    """config.json's model_type in the directory the tokenizer was loaded from, if any."""
+    where = getattr(tokenizer, "name_or_path", None)
+    if not where:
+        return None
+    try:
+        config = json.loads((Path(str(where)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _ids(rendered: Any) -> list[int]:
@@ -116,18 +154,29 @@ def named_function(choice: Any) -> str:
 class ToolSupport:
     """Per tokenizer: its chat template, its tool format, and whether it uses tools."""
 
-    def __init__(self, tokenizer: Any, parser_name: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, parser_name: str | None = None, model_type: str | None = None
+    ) -> None:
+        """`parser_name`: the format, else the template's, else the family's (`model_type`,
+        read from the tokenizer's checkpoint directory when not given)."""
         self.tokenizer = tokenizer
         self._parser_name = parser_name
+        self.model_type = model_type if model_type is not None else checkpoint_model_type(tokenizer)
         self._uses_tools: bool | None = None  # probed on the first request with tools
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> list[int]:
+        """Token ids of the conversation (past calls' arguments as the template takes them)."""
         kw: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
         if tools:
             kw["tools"] = tools
+        parser = self.parser() if self._has_template() else None
+        messages = template_messages(messages, parser is not None and parser.text_arguments)
         return _ids(self.tokenizer.apply_chat_template(messages, **kw))
+
+    def _has_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def template_uses_tools(self) -> bool:
         """Whether the template renders `tools` at all: a template that ignores them renders the
@@ -143,7 +192,17 @@ class ToolSupport:
     def parser(self) -> ToolParser | None:
         if self._parser_name is not None:
             return get_tool_parser(self._parser_name)
-        return detect_tool_parser(str(getattr(self.tokenizer, "chat_template", "") or ""))
+        found = detect_tool_parser(str(getattr(self.tokenizer, "chat_template", "") or ""))
+        if found is None and self.model_type in MODEL_TYPE_PARSERS:
+            return get_tool_parser(MODEL_TYPE_PARSERS[self.model_type])
+        return found
+
+    def _content_plan(self) -> ToolPlan:
+        """The plan without tools: a channelled format still reads the content out."""
+        parser = self.parser() if self._has_template() else None
+        return (
+            ToolPlan(parser, tools=False) if parser is not None and parser.channels else ToolPlan()
+        )
 
     def plan(
         self, tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
@@ -158,10 +217,10 @@ class ToolSupport:
         if not tools:
             if choice not in (None, "none", "auto"):
                 raise ToolError("tool_choice needs tools", "tool_choice")
-            return ToolPlan(), None
+            return self._content_plan(), None
         check_tools(tools)
         if choice == "none":
-            return ToolPlan(), None
+            return self._content_plan(), None
         if not self.template_uses_tools():
             raise ToolError(
                 "this model's chat template does not support tools (it renders the same prompt "
@@ -172,7 +231,7 @@ class ToolSupport:
         if parser is None:
             raise ToolError(
                 "the tool-call format of this model's chat template is not known; start the "
-                f"server with --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})",
+                f"server with --tool-call-parser ({', '.join(sorted(tool_parsers()))})",
                 "tools",
             )
         forced = None
