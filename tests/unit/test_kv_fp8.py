@@ -30,7 +30,7 @@ from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.mla import MLAttention
 from tests.models.families import FAMILIES
 from tests.models.parity import PROMPTS
-from tests.unit.test_kv_int8 import _TINY_BYTES, _attend_two_steps
+from tests.unit.test_kv_int8 import _DEEPSEEK_V3, _QWEN3_30B, _TINY_BYTES, _attend_two_steps
 
 CPU = torch.device("cpu")
 
@@ -125,6 +125,13 @@ def test_pool_round_trip_plain_and_latent_layouts() -> None:
     big = cache.read(0, torch.tensor([2]), torch.float32)[0]
     assert torch.allclose(big, 1000 * k[:1], rtol=1 / 16, atol=0)
     assert cache.read(0, torch.tensor([0]), torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_bytes_per_token_as_int8() -> None:
+    """1 byte a channel plus a float32 scale per (token, head): the README's int8 / fp8 column."""
+    fp8 = KV_FORMATS["fp8"]
+    assert kv_bytes_per_token(_QWEN3_30B, fp8) == 48 * 2 * 4 * (128 + 4) == 50688
+    assert kv_bytes_per_token(_DEEPSEEK_V3, fp8) == 61 * (576 + 4) == 35380
 
 
 def test_attention_over_fp8_cache_is_close_to_float32() -> None:
