@@ -48,7 +48,12 @@ def test_kv_formats_on_a_tiny_checkpoint(tmp_path: Path) -> None:
         dtype="float32",
         llm_kwargs={"num_kv_blocks": 16},
     )
-    result = run_kv_formats(settings, prompts=[list(p) for p in PROMPTS])
+    lines: list[str] = []
+    result = run_kv_formats(settings, prompts=[list(p) for p in PROMPTS], report=lines.append)
+    assert [line.split(" generated")[0] for line in lines] == [
+        "kv-formats: auto (fp32)", "kv-formats: fp32 (fp32)", "kv-formats: int8 (int8)",
+        "kv-formats: fp8 (fp8)",
+    ]  # fmt: skip
     s = result["settings"]
     assert s["num_prompts"] == 2 and s["prompt_tokens"] == [len(p) for p in PROMPTS[:2]]
     assert s["model"] == str(path)

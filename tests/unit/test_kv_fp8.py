@@ -279,3 +279,19 @@ def test_metrics_export_fp8() -> None:
 
     text = generate_latest(ServerMetrics("m", kv_cache_dtype="fp8").registry).decode()
     assert 'moetier:kv_cache_info{kv_cache_dtype="fp8",model_name="m"} 1.0' in text, text
+
+
+def test_memory_split_does_not_suggest_int8_to_a_scaled_cache() -> None:
+    """int8 and fp8 take the same bytes: an fp8 (or int8) cache that does not fit is not told
+    to switch to int8; a float cache is."""
+    from types import SimpleNamespace
+
+    from moetier.engine.memory_split import _kv_fixes
+
+    def fixes(fmt: str) -> list[str]:
+        return _kv_fixes(SimpleNamespace(max_model_len=256, kv_format=fmt), 4)  # type: ignore[arg-type]
+
+    hint = "store the KV cache in int8 (--kv-cache-dtype int8)"
+    lower = ["lower --max-num-seqs (now 4)", "lower --max-model-len (now 256)"]
+    assert fixes("bf16") == [*lower, hint]
+    assert fixes("fp8") == fixes("int8") == lower

@@ -213,7 +213,7 @@ def cmd_kv_formats(args: argparse.Namespace) -> int:
     threads = bench_threads(args.threads, settings.device)
     if threads is not None:
         settings.llm_kwargs.setdefault("threads", threads)
-    result = run_kv_formats(settings)
+    result = run_kv_formats(settings, report=lambda line: print(line, file=sys.stderr))
     print(kv_formats_table(result))
     if args.save_result:
         save_json(args.save_result, result)

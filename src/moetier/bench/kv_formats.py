@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,9 +72,12 @@ def demo_prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def run_kv_formats(
-    settings: KVFormatsSettings, prompts: list[list[int]] | None = None
+    settings: KVFormatsSettings,
+    prompts: list[list[int]] | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Generate `prompts` (None: demo_prompts) with each format; the result JSON's dict."""
+    """Generate `prompts` (None: demo_prompts) with each format; the result JSON's dict.
+    `report` gets one line per format as it finishes."""
     from moetier import LLM, SamplingParams
 
     s = settings
@@ -122,6 +126,8 @@ def run_kv_formats(
         }
         del llm, outs
         gc.collect()
+        if report is not None:
+            report(f"kv-formats: {name} ({stats['kv_cache_dtype']}) generated in {wall:.1f} s")
     for name in order:
         runs[name].update(compare_tokens(tokens[s.reference], tokens[name]))
     assert prompts is not None
