@@ -8,9 +8,9 @@ scheduler decides who gets blocks; attention writes and reads the pools through 
 Storage formats (`KV_FORMATS`, `--kv-cache-dtype`): the model dtype (`auto`, exact), another
 float dtype (cast on write and read), or int8 / fp8 (e4m3) with one float32 absmax scale per
 (token, head), quantized when written and dequantized when read. Per-token scales, not
-per-(block, head): a
-block fills one token at a time, and a block-wide scale would force re-quantizing its earlier
-tokens whenever a larger value arrives (rounding twice); a token's scale never changes.
+per-(block, head): a block fills one token at a time, and a block-wide scale would force
+re-quantizing its earlier tokens whenever a larger value arrives (rounding twice); a token's
+scale never changes.
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (float8_e4m3fn [..., d], float32 scales [...]): absmax over the last dim,
     scale = absmax / 448 (1 for an all-zero vector), values x / scale in float32, clamped to
-    +-448 (a quotient a rounding step above 448 would be NaN in e4m3fn), then torch's cast
-    (round to nearest even)."""
+    +-448 (a quotient can round a step above it; e4m3fn has no infinity, and the clamp keeps
+    an overflowing cast from depending on the device), then torch's cast (round to nearest
+    even)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [...]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
