@@ -31,11 +31,11 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 Budget = str | int | float | None
 
 # --kv-cache-dtype choices; engine/kv_cache.py's KV_FORMATS holds one format per name but auto.
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")
 KV_CACHE_DTYPE_HELP = (
-    "how the KV cache stores K/V: auto (the model dtype, exact; default), bf16, fp16, fp32, or "
-    "int8 (lossy: int8 values with a float32 scale per token and head, about half of bf16's "
-    "bytes, so more tokens fit)"
+    "how the KV cache stores K/V: auto (the model dtype, exact; default), bf16, fp16, fp32, "
+    "int8 or fp8 (lossy: int8 or float8 e4m3 values with a float32 scale per token and head, "
+    "about half of bf16's bytes, so more tokens fit; fp8 on CUDA needs compute capability 8.9+)"
 )
 
 
@@ -196,8 +196,9 @@ class CacheConfig:
     # of recomputing. Exact (greedy tokens equal with it off); on by default, as in vLLM.
     enable_prefix_caching: bool = True
     # How K/V are stored (engine/kv_cache.py KV_FORMATS): "auto" = the model dtype (exact);
-    # "int8" = int8 values with a float32 absmax scale per (token, head), dequantized on read
-    # (lossy, about half of bf16's bytes); bf16/fp16/fp32 cast on write and read.
+    # "int8" / "fp8" = int8 or float8 e4m3 values with a float32 absmax scale per (token, head),
+    # dequantized on read (lossy, about half of bf16's bytes; fp8 on CUDA needs compute
+    # capability 8.9+); bf16/fp16/fp32 cast on write and read.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -141,7 +141,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "kv_blocks_total": ("moetier:kv_cache_blocks_total", "KV cache blocks in the pool"),
     "kv_bytes_per_token": (
         "moetier:kv_cache_bytes_per_token",
-        "KV cache bytes one token takes over all layers, as stored (int8 scales included)",
+        "KV cache bytes one token takes over all layers, as stored (int8/fp8 scales included)",
     ),
     "kv_cache_bytes": (
         "moetier:kv_cache_bytes",
@@ -209,7 +209,8 @@ class ServerMetrics:
             # info-style: the engine's effective KV storage format as a label, value 1
             info = Gauge(
                 "moetier:kv_cache_info",
-                "The KV cache's effective storage format (kv_cache_dtype: bf16, fp16, fp32, int8)",
+                "The KV cache's effective storage format "
+                "(kv_cache_dtype: bf16, fp16, fp32, int8, fp8)",
                 ["model_name", "kv_cache_dtype"],
                 registry=self.registry,
             )

@@ -99,9 +99,11 @@ def test_kv_cache_dtype_flag_reaches_the_engine(
     bench = latency_settings(p.parse_args(["bench", "latency", "--kv-cache-dtype", "fp16"]))
     assert bench.llm_kwargs["kv_cache_dtype"] == "fp16"
     assert "kv_cache_dtype" not in latency_settings(p.parse_args(["bench", "latency"])).llm_kwargs
+    assert p.parse_args(["generate", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert _engine_args(p.parse_args(["serve", "--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
-        p.parse_args(["generate", "--kv-cache-dtype", "fp8"])
-    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+        p.parse_args(["generate", "--kv-cache-dtype", "fp4"])
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
     rc = main(["generate", "--model", str(ckpt), "--prompt", "Hi", "--max-tokens", "2",
                "--device", "cpu", "--dtype", "float32", "--kv-cache-dtype", "int8"])  # fmt: skip
     assert rc == 0

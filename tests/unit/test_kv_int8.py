@@ -207,8 +207,8 @@ def test_int8_logits_and_greedy_tokens_against_the_exact_cache(
 
 
 def test_unknown_kv_cache_dtype_is_refused_before_loading(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown KV cache dtype 'fp8'; choose one of auto"):
-        LLM(str(tmp_path / "missing"), device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="unknown KV cache dtype 'fp4'; choose one of auto"):
+        LLM(str(tmp_path / "missing"), device="cpu", kv_cache_dtype="fp4")
 
 
 def test_metrics_export_the_format_and_bytes() -> None:

@@ -1,6 +1,8 @@
-"""`moetier bench latency | gate | serve | plot`: argument parsing for the bench, then hand-off.
+"""`moetier bench latency | gate | serve | kv-formats | plot`: argument parsing for the bench,
+then hand-off.
 
-Owns the bench subcommands' flags only; the measurement lives in latency.py and gate.py.
+Owns the bench subcommands' flags only; the measurement lives in latency.py, gate.py,
+serve.py and kv_formats.py.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def add_bench_parser(sub: Any) -> None:
     from moetier.bench.serve_cli import add_serve_bench_args
 
     add_serve_bench_args(srv)
+    kvf = bsub.add_parser(
+        "kv-formats", help="KV bytes per token and greedy-token agreement per --kv-cache-dtype"
+    )
+    _add_kv_formats_args(kvf)
+    kvf.set_defaults(func=cmd_kv_formats)
     plot = bsub.add_parser("plot", help="PNG plots from a saved latency result JSON")
     plot.add_argument("result", help="a --save-result JSON file")
     plot.add_argument("--out-dir", default=None, help="default: next to the JSON")
@@ -168,6 +175,60 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _add_kv_formats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument(
+        "--formats",
+        default="auto,bf16,int8,fp8",
+        help=f"comma-separated --kv-cache-dtype names ({', '.join(KV_CACHE_DTYPES)})",
+    )
+    p.add_argument("--reference", default="auto", help="the format the others are compared to")
+    p.add_argument("--max-tokens", type=int, default=128, help="greedy new tokens per prompt")
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="the first N prompts (default: all)"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--expert-budget", default=None, help="default: every expert resident")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--threads", type=threads_arg, default=None, help="torch CPU threads")
+    p.add_argument("--set", default="", help='extra LLM(...) settings: "key=value key=value"')
+    p.add_argument("--save-result", default=None, help="write the result JSON here")
+
+
+def kv_formats_settings(args: argparse.Namespace) -> Any:
+    from moetier.bench.kv_formats import KVFormatsSettings
+
+    return KVFormatsSettings(
+        model=args.model,
+        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
+        reference=args.reference,
+        max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts,
+        device=args.device,
+        dtype=args.dtype,
+        expert_budget=args.expert_budget,
+        max_num_seqs=args.max_num_seqs,
+        llm_kwargs=parse_kv(args.set),
+    )
+
+
+def cmd_kv_formats(args: argparse.Namespace) -> int:
+    from moetier.bench.kv_formats import kv_formats_table, run_kv_formats
+    from moetier.bench.report import save_json
+
+    settings = kv_formats_settings(args)
+    threads = bench_threads(args.threads, settings.device)
+    if threads is not None:
+        settings.llm_kwargs.setdefault("threads", threads)
+    result = run_kv_formats(settings, report=lambda line: print(line, file=sys.stderr))
+    print(kv_formats_table(result))
+    if args.save_result:
+        save_json(args.save_result, result)
+        print(f"\nsaved {args.save_result}", file=sys.stderr)
+    return 0
 
 
 def _with_prefetch(kwargs: dict[str, Any], prefetch: str | None) -> dict[str, Any]:

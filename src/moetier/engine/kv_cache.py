@@ -6,10 +6,11 @@ scheduler decides who gets blocks; attention writes and reads the pools through 
 `KVBatch` built by the model runner.
 
 Storage formats (`KV_FORMATS`, `--kv-cache-dtype`): the model dtype (`auto`, exact), another
-float dtype (cast on write and read), or int8 with one float32 absmax scale per (token, head),
-quantized when written and dequantized when read. Per-token scales, not per-(block, head): a
-block fills one token at a time, and a block-wide scale would force re-quantizing its earlier
-tokens whenever a larger value arrives (rounding twice); a token's scale never changes.
+float dtype (cast on write and read), or int8 / fp8 (e4m3) with one float32 absmax scale per
+(token, head), quantized when written and dequantized when read. Per-token scales, not
+per-(block, head): a block fills one token at a time, and a block-wide scale would force
+re-quantizing its earlier tokens whenever a larger value arrives (rounding twice); a token's
+scale never changes.
 """
 
 from __future__ import annotations
@@ -32,17 +33,31 @@ log = logging.getLogger(__name__)
 # B decode sequences in a step, L history length (padded to the longest in the step).
 
 INT8_MAX = 127
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MIN_CAPABILITY = (8, 9)  # CUDA compute capability with e4m3 hardware (Ada, Hopper and newer)
 SCALE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How K/V are stored: `storage` dtype; `scaled`: int8 values with a float32 scale per
-    (token, head) beside them."""
+    """How K/V are stored: `storage` dtype; `scaled`: int8 or fp8 values with a float32 scale
+    per (token, head) beside them."""
 
     name: str
     storage: torch.dtype
     scaled: bool = False
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., d] -> (values [..., d] in `storage`, float32 scales [...]); scaled only."""
+        assert self.scaled, f"KV format {self.name} stores values as they are"
+        return quantize_fp8(x) if self.storage == FP8 else quantize_int8(x)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        assert self.scaled, f"KV format {self.name} stores values as they are"
+        if self.storage == FP8:
+            return dequantize_fp8(q, scale, dtype)
+        return dequantize_int8(q, scale, dtype)
 
     def bytes_per_vector(self, dim: int) -> int:
         """Bytes of one head's vector of `dim` channels for one token (its scale included)."""
@@ -55,15 +70,17 @@ KV_FORMATS: dict[str, KVFormat] = {
     "fp16": KVFormat("fp16", torch.float16),
     "fp32": KVFormat("fp32", torch.float32),
     "int8": KVFormat("int8", torch.int8, scaled=True),
+    "fp8": KVFormat("fp8", FP8, scaled=True),
 }
 _FLOAT_NAMES = {f.storage: f.name for f in KV_FORMATS.values() if not f.scaled}
 assert ("auto", *KV_FORMATS) == KV_CACHE_DTYPES, "config.KV_CACHE_DTYPES names these formats"
 
 
 def resolve_kv_format(name: str, model_dtype: torch.dtype, device: torch.device) -> KVFormat:
-    """The effective format: `auto` is the model dtype (today's exact cache). Every format here
-    is plain tensor ops, so every family (all attend through this cache) and device (CPU,
-    CUDA) can use it; a format one cannot must raise here, never fall back silently."""
+    """The effective format: `auto` is the model dtype (today's exact cache, never fp8). Every
+    format here is plain tensor ops, so every family (all attend through this cache) can use
+    it; a format a device cannot hold raises here (fp8 on CUDA below compute capability 8.9),
+    never falls back silently."""
     if name not in KV_CACHE_DTYPES:
         raise ConfigError(
             f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
@@ -74,6 +91,15 @@ def resolve_kv_format(name: str, model_dtype: torch.dtype, device: torch.device)
         return KV_FORMATS[_FLOAT_NAMES[model_dtype]]
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"KV cache dtype {name!r} is not supported on device {device}")
+    if name == "fp8" and device.type == "cuda":
+        cap = tuple(torch.cuda.get_device_capability(device))
+        if cap < FP8_MIN_CAPABILITY:
+            raise ConfigError(
+                f"KV cache dtype 'fp8' (float8 e4m3) needs a CUDA device of compute capability "
+                f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer; {device} is "
+                f"{'.'.join(map(str, cap))}. Use --kv-cache-dtype int8 (the same bytes per "
+                f"token) or bf16"
+            )
     return KV_FORMATS[name]
 
 
@@ -89,6 +115,24 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 [..., d] and float32 scales [...] -> [..., d] in `dtype`."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (float8_e4m3fn [..., d], float32 scales [...]): absmax over the last dim,
+    scale = absmax / 448 (1 for an all-zero vector), values x / scale in float32, clamped to
+    +-448 (a quotient can round a step above it; e4m3fn has no infinity, and the clamp keeps
+    an overflowing cast from depending on the device), then torch's cast (round to nearest
+    even)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)  # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn [..., d] and float32 scales [...] -> [..., d] in `dtype`."""
     return (q.float() * scale[..., None]).to(dtype)
 
 
@@ -124,7 +168,8 @@ def kv_layout(model: torch.nn.Module) -> dict[int, LayerKV]:
 
 
 def kv_bytes_per_token(layout: dict[int, LayerKV], fmt: KVFormat) -> int:
-    """K+V bytes one token takes over all attention layers, as stored (int8 scales included)."""
+    """K+V bytes one token takes over all attention layers, as stored (int8/fp8 scales
+    included)."""
     total = 0
     for spec in layout.values():
         for heads, dim in (spec.k, spec.v) if spec.v is not None else (spec.k,):
@@ -150,7 +195,7 @@ class PagedKVCache:
         # Zeros, not empty: padded decode rows read slot 0 with weight 0, and 0 * NaN is NaN.
         self._k: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dk]
         self._v: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dv]
-        self._k_scale: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv] float32 (int8 only)
+        self._k_scale: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv] float32 (int8, fp8)
         self._v_scale: dict[int, torch.Tensor] = {}
         for layer, spec in layout.items():
             self._k[layer] = torch.zeros(n, *spec.k, dtype=fmt.storage, device=device)
@@ -182,7 +227,9 @@ class PagedKVCache:
         if scales is None:
             pool.index_copy_(0, slots, x.to(pool.dtype))
             return
-        q, s = quantize_int8(x)  # [T, Hkv, d], [T, Hkv]
+        q, s = self.format.quantize(x)  # [T, Hkv, d], [T, Hkv]
+        if q.dtype == FP8:  # no float8 index_copy_ on the CPU: copy the bytes
+            pool, q = pool.view(torch.uint8), q.view(torch.uint8)
         pool.index_copy_(0, slots, q)
         scales.index_copy_(0, slots, s)
 
@@ -197,13 +244,16 @@ class PagedKVCache:
             else None
         )
 
-    @staticmethod
     def _load(
-        pool: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype
+        self,
+        pool: torch.Tensor,
+        scales: torch.Tensor | None,
+        slots: torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         if scales is None:
             return pool[slots].to(dtype)  # the model dtype (auto): no copy beyond the gather
-        return dequantize_int8(pool[slots], scales[slots], dtype)
+        return self.format.dequantize(pool[slots], scales[slots], dtype)
 
     def free(self, seq_id: int) -> int:
         return self.blocks.free(seq_id)
@@ -374,5 +424,8 @@ def _kv_fix(
             f"{max_model_len}), which size the KV cache, or set a smaller --num-kv-blocks"
         )
     if not fmt.scaled:
-        text += ", or store it in int8 (--kv-cache-dtype int8, about half the bytes of bf16)"
+        text += (
+            ", or store it in int8 or fp8 (--kv-cache-dtype int8|fp8, about half the bytes of "
+            "bf16)"
+        )
     return lambda _free_total: text + "."

@@ -283,7 +283,7 @@ def _kv_fixes(req: SplitRequest, seqs: int) -> list[str]:
     if seqs > 1:
         fixes.append(f"lower --max-num-seqs (now {seqs})")
     fixes.append(f"lower --max-model-len (now {req.max_model_len})")
-    if req.kv_format != "int8":
+    if req.kv_format not in ("int8", "fp8"):
         fixes.append("store the KV cache in int8 (--kv-cache-dtype int8)")
     return fixes
 
