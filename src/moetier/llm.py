@@ -37,10 +37,16 @@ Prompt = str | list[int]
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The checkpoint's tokenizer through transformers, or None when it has none."""
+    """The checkpoint's tokenizer through transformers (a GGUF file's from its metadata), or
+    None when it has none."""
     from transformers import AutoTokenizer
 
+    from moetier.weights.gguf import is_gguf
+
     try:
+        if is_gguf(model_dir):  # the tokenizer and chat template are in the file's metadata
+            path = Path(model_dir)
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

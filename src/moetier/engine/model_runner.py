@@ -27,7 +27,7 @@ from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
 from moetier.layers.norm import RMSNorm
 from moetier.layers.rotary import RotaryEmbedding
-from moetier.models.registry import get_family
+from moetier.models.registry import Family, get_family
 from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.prefetcher import Prefetcher, build_predictor
@@ -35,6 +35,7 @@ from moetier.offload.stats import OffloadStats
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import fp8_block
+from moetier.weights.gguf import is_gguf
 from moetier.weights.loader import build_model
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ def resolve_dtype(name: str, config: Any, device: torch.device) -> torch.dtype:
 
 def load_hf_config(model_dir: Path) -> Any:
     if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory; pass a Hugging Face model directory")
+        raise CheckpointError(
+            f"{model_dir}: not a directory; pass a Hugging Face model directory or a .gguf file"
+        )
     if not (model_dir / "config.json").exists():
         raise CheckpointError(
             f"{model_dir}: no config.json; is this a Hugging Face model directory?"
@@ -94,8 +97,31 @@ def load_hf_config(model_dir: Path) -> Any:
         ) from exc
 
 
+def open_model(path: Path) -> tuple[Any, Family, Checkpoint, ExpertLayout]:
+    """(HF config, family, checkpoint, expert layout) of a Hugging Face model directory or a
+    GGUF file (weights/gguf.py: experts kept in their GGUF block types)."""
+    if is_gguf(path):
+        from moetier.weights.gguf import GGUFModel
+
+        gguf = GGUFModel(path)
+        family = get_family(gguf.config)
+        ckpt, gguf_layout = gguf.open(family.expert_prefixes(gguf.config))
+        return gguf.config, family, ckpt, gguf_layout  # type: ignore[return-value]
+    hf_config = load_hf_config(path)
+    family = get_family(hf_config)
+    checkpoint = Checkpoint(path)
+    layout = ExpertLayout(
+        checkpoint,
+        family.expert_prefixes(hf_config),
+        moe_config(hf_config)[0],
+        fp8_block=fp8_block(hf_config),
+        interleaved=family.gate_up_interleaved,
+    )
+    return hf_config, family, checkpoint, layout
+
+
 def load_generation_config(model_dir: Path) -> Any | None:
-    if not (model_dir / "generation_config.json").exists():
+    if not model_dir.is_dir() or not (model_dir / "generation_config.json").exists():
         return None
     from transformers import GenerationConfig
 
@@ -126,19 +152,10 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.model_dir = Path(config.model)
-        self.hf_config = load_hf_config(self.model_dir)
-        family = get_family(self.hf_config)
+        self.hf_config, family, self.checkpoint, layout = open_model(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.num_experts, self.top_k, _ = moe_config(self.hf_config)
-        self.checkpoint = Checkpoint(self.model_dir)
-        layout = ExpertLayout(
-            self.checkpoint,
-            family.expert_prefixes(self.hf_config),
-            self.num_experts,
-            fp8_block=fp8_block(self.hf_config),
-            interleaved=family.gate_up_interleaved,
-        )
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.model = allocate(
             self.device,

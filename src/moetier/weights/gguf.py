@@ -1,0 +1,442 @@
+"""Reads a GGUF file as a moetier checkpoint: HF config, non-expert tensors, experts as stored.
+
+A GGUF file (llama.cpp) carries the model's config as metadata, its tokenizer and chat template,
+and every tensor under llama.cpp's names (`token_embd`, `blk.N.attn_q`, ...), most of them
+block-quantized. `open_gguf` turns it into what the engine loads from a safetensors directory:
+the HF config (transformers' GGUF mapping where it has one, completed here), a checkpoint whose
+`read(name)` gives non-expert tensors under the HF names, dequantized to float32 at load, and a
+`GGUFExpertLayout` whose experts (`blk.N.ffn_{gate,up,down}_exps`, [E, rows, cols] with each
+expert's blocks contiguous) are read by offset and kept in their stored block type
+(weights/gguf_quants.py), decoded only where they are computed. The file is memory mapped and
+read by offset, never whole.
+
+Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`) and
+llama with experts (Mixtral).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetier.errors import CheckpointError
+from moetier.weights.experts import ExpertLayout
+from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
+from moetier.weights.gguf_quants import GGUF_CODECS, codec_for, ggml_type_name
+
+__all__ = [
+    "GGUFCheckpoint",
+    "GGUFExpertLayout",
+    "GGUFModel", "SUPPORTED_ARCHS", "is_gguf", "open_gguf"]
+
+# GGUF architecture -> the HF architecture (models/registry.py) its tensors load into.
+SUPPORTED_ARCHS = {
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "llama": "MixtralForCausalLM",  # llama.cpp writes Mixtral as llama with experts
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<gguf leaf> -> model.layers.N.<HF leaf> (.weight or .bias follows both)
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether a model path names a GGUF file (by its suffix)."""
+    return str(path).lower().endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One GGUF tensor: where its bytes lie and how they are stored."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order (outermost first): [rows, cols], [E, rows, cols]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    data: Any  # the reader's memory-mapped numpy view (read lazily)
+
+
+class _GGUFFile:
+    """The parsed header of a GGUF file: metadata and tensor locations (memory mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: no such file; pass a .gguf file or a Hugging Face model directory"
+            )
+        from gguf import GGUFReader
+
+        self.path = path
+        size = path.stat().st_size
+        try:
+            reader = GGUFReader(path, "r")
+        except Exception as exc:  # the reader raises ValueError, struct/numpy errors, ...
+            raise CheckpointError(
+                f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); the file is "
+                f"truncated or not GGUF — re-download it"
+            ) from None
+        self.fields: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
+                continue  # token tables: the tokenizer reads them itself
+            try:
+                self.fields[key] = field.contents()
+            except (ValueError, IndexError, TypeError):
+                continue
+        self.tensors: dict[str, _Tensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise CheckpointError(
+                    f"{path}: tensor {t.name} ends at byte {end} but the file has {size} bytes; "
+                    f"the file is truncated — re-download it"
+                )
+            self.tensors[t.name] = _Tensor(
+                t.name, int(t.tensor_type), shape, int(t.data_offset), int(t.n_bytes), t.data
+            )
+        self.arch = str(self.fields.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        full = f"{self.arch}.{key}"
+        if full not in self.fields:
+            raise CheckpointError(f"{self.path}: metadata key {full} is missing")
+        return self.fields[full]
+
+
+class _Reader:
+    """Positional reads from one file (a file descriptor shared by threads)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def fd(self) -> int:
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            return self._fd
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU uint8 tensor `out` from the file at `offset`."""
+        view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+        fd, done, total = self.fd(), 0, out.numel()
+        while done < total:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation of the llama arch (rotary halves interleaved per
+    head), as transformers does when it loads a llama GGUF."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """The non-expert tensors of a GGUF file under HF names, dequantized to float32 on read
+    (what weights/loader.py needs of a `Checkpoint`: `in`, `read`, `model_dir`)."""
+
+    def __init__(self, file: _GGUFFile, config: Any) -> None:
+        self.file = file
+        self.model_dir = file.path
+        self._io = _Reader(file.path)
+        self._heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.names: dict[str, str] = {}  # HF name -> GGUF name
+        for name in file.tensors:
+            hf = _hf_name(name)
+            if hf is not None:
+                self.names[hf] = name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def gguf_name(self, name: str) -> str:
+        try:
+            return self.names[name]
+        except KeyError:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} not found") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` (an HF name) as float32, dequantized from its stored type."""
+        t = self.file.tensors[self.gguf_name(name)]
+        value = self._dequantize(t)
+        if t.name.endswith("ffn_gate_inp_shexp.weight") and value.dim() == 1:
+            value = value.unsqueeze(0)  # HF: shared_expert_gate [1, D]
+        if self.file.arch == "llama":
+            if re.search(r"\.attn_q\.(weight|bias)$", t.name):
+                value = _unpermute(value, self._heads[0])
+            elif re.search(r"\.attn_k\.(weight|bias)$", t.name):
+                value = _unpermute(value, self._heads[1])
+        return value
+
+    def _dequantize(self, t: _Tensor) -> torch.Tensor:
+        codec = GGUF_CODECS.get(t.ggml_type)
+        if codec is not None:
+            raw = torch.empty(t.nbytes, dtype=torch.uint8)
+            self._io.read_into(t.offset, raw)
+            cols = t.shape[-1]
+            rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+            return codec.decode(raw, rows, cols, torch.float32).reshape(t.shape)
+        # Non-expert tensors are read once at load: any type the gguf package dequantizes.
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        try:
+            values = dequantize(np.asarray(t.data), GGMLQuantizationType(t.ggml_type))
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {t.name} is stored as "
+                f"{ggml_type_name(t.ggml_type)}, which cannot be dequantized"
+            ) from None
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
+
+    def close(self) -> None:
+        self._io.close()
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.match(name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+@dataclass(frozen=True)
+class _ExpertSource:
+    tensors: tuple[_Tensor, _Tensor, _Tensor]  # gate [E, I, D], up [E, I, D], down [E, D, I]
+    codecs: tuple[MatrixCodec, MatrixCodec, MatrixCodec]
+
+
+class GGUFExpertLayout(ExpertLayout):
+    """The routed experts of a GGUF file (`blk.N.ffn_{gate,up,down}_exps`), read by offset
+    and packed in their stored block types (the `ExpertLayout` interface the tiers use)."""
+
+    def __init__(self, file: _GGUFFile, ckpt: GGUFCheckpoint, layers: list[int], num_experts: int):
+        self.file = file
+        self.ckpt = ckpt  # type: ignore[assignment]
+        self.num_experts = num_experts
+        self._io = _Reader(file.path)
+        self.layer_sources: dict[int, _ExpertSource] = {
+            layer: self._find(layer) for layer in layers
+        }
+        self.shape = self._infer_shape()
+
+    def _find(self, layer: int) -> _ExpertSource:
+        found = []
+        for part in _EXPERT_PARTS:
+            name = f"blk.{layer}.{part}.weight"
+            t = self.file.tensors.get(name)
+            if t is None:
+                raise CheckpointError(
+                    f"{self.file.path}: MoE layer {layer} has no routed-expert tensor {name}"
+                )
+            if len(t.shape) != 3 or t.shape[0] != self.num_experts:
+                raise CheckpointError(
+                    f"{self.file.path}: {name} has shape {list(t.shape)}; expected "
+                    f"[{self.num_experts}, rows, cols] (one matrix per expert)"
+                )
+            found.append(t)
+        gate, up, down = found
+        if gate.shape != up.shape or down.shape[1:] != gate.shape[1:][::-1]:
+            raise CheckpointError(
+                f"{self.file.path}: layer {layer} experts gate {list(gate.shape)}, up "
+                f"{list(up.shape)} and down {list(down.shape)} do not fit together "
+                f"([E, I, D], [E, I, D], [E, D, I])"
+            )
+        try:
+            codecs = tuple(codec_for(t.ggml_type, t.name, self.file.path) for t in found)
+            for t, c in zip(found, codecs):
+                if c.nbytes(t.shape[1], t.shape[2]) * self.num_experts != t.nbytes:
+                    raise ValueError(f"tensor {t.name} has {t.nbytes} bytes, not its shape's")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        return _ExpertSource((gate, up, down), codecs)  # type: ignore[arg-type]
+
+    def _infer_shape(self) -> ExpertShape:
+        shapes = {src.tensors[0].shape[1:] for src in self.layer_sources.values()}
+        if len(shapes) != 1:
+            raise CheckpointError(
+                f"{self.file.path}: MoE layers have different expert shapes {sorted(shapes)}"
+            )
+        i, d = shapes.pop()
+        return ExpertShape(hidden=d, intermediate=i)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.layer_sources)
+
+    def packing(self, dtype: torch.dtype) -> ExpertPacking:
+        return ExpertPacking(
+            {
+                layer: ExpertFormat(self.shape, dtype, src.codecs)
+                for layer, src in self.layer_sources.items()
+            }
+        )
+
+    def source_bytes(self, layer: int, expert: int) -> int:
+        return sum(t.nbytes // self.num_experts for t in self.layer_sources[layer].tensors)
+
+    def read_into(self, layer: int, expert: int, out: torch.Tensor) -> int:
+        """Read expert (layer, expert)'s stored blocks into the packed CPU uint8 row `out`."""
+        src = self.layer_sources[layer]
+        fmt = ExpertFormat(self.shape, torch.float32, src.codecs)
+        total = 0
+        for t, part in zip(src.tensors, fmt.parts(out)):
+            n = t.nbytes // self.num_experts
+            self._io.read_into(t.offset + expert * n, part)
+            total += n
+        return total
+
+
+def _config(file: _GGUFFile) -> Any:
+    """The HF config of the file's model: transformers' GGUF mapping (qwen2moe, qwen3moe),
+    completed with what it leaves out (the expert widths); Mixtral mapped here."""
+    arch = file.arch
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(
+            f"{file.path}: GGUF architecture {arch or '(none)'!r} is not supported; moetier reads "
+            f"GGUF files of: {', '.join(sorted(SUPPORTED_ARCHS))} (with experts)"
+        )
+    if file.get("expert_count") is None:
+        raise CheckpointError(
+            f"{file.path}: a {arch} GGUF file without experts ({arch}.expert_count is missing); "
+            f"moetier runs mixture-of-experts models"
+        )
+    from transformers import AutoConfig
+
+    layers = int(file.require("block_count"))
+    moe_layers = [n for n in range(layers) if f"blk.{n}.ffn_gate_exps.weight" in file.tensors]
+    if arch == "llama":
+        return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
+    try:
+        config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{file.path}: transformers cannot read its config ({exc})") from exc
+    config.architectures = [SUPPORTED_ARCHS[arch]]
+    # transformers maps feed_forward_length only; the expert widths come from their own keys
+    gate = file.tensors.get(f"blk.{moe_layers[0]}.ffn_gate_exps.weight") if moe_layers else None
+    width = file.get("expert_feed_forward_length") or (gate.shape[1] if gate else None)
+    if width is not None:
+        config.moe_intermediate_size = int(width)
+    shared = file.tensors.get(f"blk.{moe_layers[0]}.ffn_gate_shexp.weight") if moe_layers else None
+    if arch == "qwen2moe":
+        shared_width = file.get("expert_shared_feed_forward_length") or (
+            shared.shape[0] if shared else None
+        )
+        if shared_width is not None:
+            config.shared_expert_intermediate_size = int(shared_width)
+    config.mlp_only_layers = [n for n in range(layers) if n not in moe_layers]
+    config.decoder_sparse_step = 1
+    return config
+
+
+def _mixtral_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
+    hidden = int(file.require("embedding_length"))
+    heads = int(file.require("attention.head_count"))
+    vocab = file.get("vocab_size")
+    if vocab is None:
+        vocab = file.tensors["token_embd.weight"].shape[0]
+    out: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHS["llama"]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(file.require("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(file.get("attention.head_count_kv", heads)),
+        "head_dim": int(file.get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(file.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(file.get("context_length", 4096)),
+        "num_local_experts": int(file.require("expert_count")),
+        "num_experts_per_tok": int(file.require("expert_used_count")),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(file.get("rope.freq_base", 1e6)),
+        },
+        "sliding_window": None,
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+    gate = file.tensors.get("blk.0.ffn_gate_exps.weight")
+    if gate is not None:
+        out["intermediate_size"] = gate.shape[1]  # the expert width (Mixtral: = feed_forward)
+    for key in ("bos_token_id", "eos_token_id"):
+        value = file.fields.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            out[key] = int(value)
+    return out
+
+
+class GGUFModel:
+    """A GGUF file opened for the engine: `config` first (the family is chosen from it), then
+    `open(moe_layers)` for the checkpoint and the expert layout."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = _GGUFFile(Path(path))
+        self.config = _config(self.file)
+
+    def moe_layers(self) -> list[int]:
+        """The blocks that hold routed experts."""
+        n = int(self.config.num_hidden_layers)
+        return [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" in self.file.tensors]
+
+    def open(self, moe_layers: Iterable[int] | None = None) -> tuple[GGUFCheckpoint, GGUFExpertLayout]:
+        from moetier.layers.moe import moe_config
+
+        layers = self.moe_layers() if moe_layers is None else sorted(moe_layers)
+        ckpt = GGUFCheckpoint(self.file, self.config)
+        num_experts, _, _ = moe_config(self.config)
+        return ckpt, GGUFExpertLayout(self.file, ckpt, layers, num_experts)
+
+
+def open_gguf(path: str | Path) -> tuple[Any, GGUFCheckpoint, GGUFExpertLayout]:
+    """(HF config, non-expert checkpoint, expert layout) of a GGUF file."""
+    model = GGUFModel(path)
+    return (model.config, *model.open())
