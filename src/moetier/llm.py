@@ -48,7 +48,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
             path = Path(model_dir)
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, KeyError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("no usable tokenizer in %s (%s); prompts must be token ids", model_dir, reason)
         return None

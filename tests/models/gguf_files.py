@@ -189,7 +189,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None) -> None:
-    """A byte-level BPE tokenizer (tests/models/parity.py add_tokenizer) as GGUF metadata."""
+    """A byte-level BPE tokenizer (e.g. tests/server/tiny.py's) as GGUF metadata."""
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = set(tok.all_special_tokens)
@@ -203,7 +203,10 @@ def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None) -> None:
     w.add_token_types(
         [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
     )
-    w.add_token_merges(merges)
+    if merges:
+        w.add_token_merges(merges)
+    else:  # byte tokens only: transformers derives (no) merges from scores
+        w.add_token_scores([0.0] * len(tokens))
     w.add_eos_token_id(tok.eos_token_id)
     w.add_bos_token_id(tok.eos_token_id)
     if chat_template is not None:
