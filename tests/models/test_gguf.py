@@ -1,0 +1,263 @@
+"""GGUF files run directly: greedy tokens equal transformers' load of the same file.
+
+Tiny random HF models are written as GGUF (tests/models/gguf_files.py) with experts in Q4_K
+(down in Q6_K, as Q4_K_M stores it) or Q8_0 and non-experts in F32 or Q8_0. Qwen3-MoE and
+Qwen2-MoE are compared with `from_pretrained(dir, gguf_file=...)` (which dequantizes every
+tensor; it reads no expert width from the file, so the test passes it); Mixtral, which llama.cpp
+writes as arch llama and transformers loads as a dense Llama, with the HF Mixtral holding gguf's
+dequantization of the same bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moetier import LLM
+from moetier.errors import BudgetError, CheckpointError
+from moetier.weights.gguf import open_gguf
+from tests.models.gguf_files import (
+    Q4_K_M,
+    reference_model,
+    tiny_hf_model,
+    transformers_gguf,
+    write_gguf,
+)
+from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
+
+NEW = 16
+# name -> (family, expert types, non-expert type)
+CASES: dict[str, tuple[str, tuple[T, T, T], T]] = {
+    "qwen3_moe-q4_k_m": ("qwen3_moe", Q4_K_M, T.F32),
+    "qwen3_moe-q8_0": ("qwen3_moe", (T.Q8_0,) * 3, T.Q8_0),
+    "mixtral-q4_k_m": ("mixtral", Q4_K_M, T.F32),
+    "mixtral-q8_0": ("mixtral", (T.Q8_0,) * 3, T.Q8_0),
+    "qwen2_moe-q4_k_m": ("qwen2_moe", Q4_K_M, T.F32),
+}
+_SIZES = {"qwen3_moe": (256, 256), "qwen2_moe": (256, 256), "mixtral": (256, 256)}  # (D, I)
+
+
+def _widths(family: str) -> dict[str, Any]:
+    """What transformers' GGUF config leaves out and the file states (the expert widths)."""
+    if family == "qwen3_moe":
+        return {"moe_intermediate_size": 256}
+    if family == "qwen2_moe":
+        return {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Each case's GGUF file and its reference model (written on first use)."""
+    root = tmp_path_factory.mktemp("gguf")
+    made: dict[str, tuple[Path, Any]] = {}
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, name: str) -> tuple[Path, Any]:
+            family, experts, dense = CASES[name]
+            path = root / name / "model.gguf"
+            path.parent.mkdir()
+            model = tiny_hf_model(family)
+            state = write_gguf(model, path, experts, dense)
+            if family == "mixtral":
+                ref = reference_model(model, state)
+            else:
+                ref = transformers_gguf(path, **_widths(family))
+            self[name] = (path, ref)
+            return self[name]
+
+    return Lazy(made)
+
+
+def _slot_bytes(experts: tuple[T, T, T], d: int, i: int) -> int:
+    """One packed expert: gate [I, D], up [I, D], down [D, I] as GGUF blocks, 16-byte aligned."""
+    total = 0
+    for qtype, (rows, cols) in zip(experts, ((i, d), (i, d), (d, i))):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        total += -(-(rows * cols // block * size) // 16) * 16
+    return total
+
+
+def _budget(name: str, which: str) -> str:
+    family, experts, _ = CASES[name]
+    top_k = 2 if family == "mixtral" else 4
+    if which == "min":
+        return f"{top_k * _slot_bytes(experts, *_SIZES[family])}B"
+    return which
+
+
+@pytest.mark.parametrize("budget", ["100%", "50%", "min"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_parity(files: Any, name: str, budget: str) -> None:
+    path, ref = files[name]
+    llm = LLM(
+        str(path), expert_budget=_budget(name, budget), device="cpu", dtype="float32",
+        progress=False,
+    )
+    assert llm.engine.runner.expert_cache.packing.compressed
+    got = moetier_greedy(llm, PROMPTS, NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
+    torch.testing.assert_close(
+        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
+    )
+    llm.engine.runner.expert_cache.check_integrity()
+
+
+def test_reference_writer_agrees_with_transformers(files: Any, tmp_path: Path) -> None:
+    """The Mixtral reference's construction (the HF model holding gguf's dequantization of the
+    bytes written) gives transformers' own GGUF load where transformers has one (Qwen3-MoE)."""
+    model = tiny_hf_model("qwen3_moe", seed=3)
+    path = tmp_path / "m.gguf"
+    state = write_gguf(model, path, Q4_K_M, T.Q8_0, seed=3)
+    hf = transformers_gguf(path, **_widths("qwen3_moe"))
+    for name, value in hf.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+
+
+def test_layout_keeps_stored_types(files: Any) -> None:
+    path, _ = files["qwen3_moe-q4_k_m"]
+    config, ckpt, layout = open_gguf(path)
+    assert (config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok) == (
+        256, 8, 4
+    )
+    packing = layout.packing(torch.float32)
+    assert packing.name == "gguf-q4_k/gguf-q4_k/gguf-q6_k"
+    assert packing.nbytes == _slot_bytes(Q4_K_M, 256, 256) == 2 * 256 * 144 + 256 * 210
+    assert layout.source_bytes(1, 3) == 2 * 256 * 144 + 256 * 210
+    row = torch.zeros(packing.numel, dtype=torch.uint8)
+    assert layout.read_into(1, 3, row) == layout.source_bytes(1, 3)
+    gate_up, down = packing.formats[1].split(row)
+    # the expert's blocks as gguf dequantizes them from the file
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    for part, got in (("gate", gate_up[:256]), ("up", gate_up[256:]), ("down", down)):
+        t = tensors[f"blk.1.ffn_{part}_exps.weight"]
+        want = gguf.quants.dequantize(t.data[3], t.tensor_type)
+        assert torch.equal(got, torch.from_numpy(want.copy())), part
+
+
+def test_budget_buys_slots_of_stored_bytes(files: Any) -> None:
+    """Slots are counted in encoded bytes: a 25% budget of the Q4_K_M file and a byte budget
+    buy what those bytes allow, many more than the same bytes of float32 experts would."""
+    path, _ = files["qwen3_moe-q4_k_m"]
+    slot = _slot_bytes(Q4_K_M, 256, 256)
+    dense = 3 * 256 * 256 * 4
+    total = 2 * 8  # MoE layers x experts
+    llm = LLM(str(path), expert_budget="25%", device="cpu", dtype="float32", progress=False)
+    plan = llm.engine.runner.tier_plan
+    assert (plan.expert_bytes, plan.device_slots) == (slot, total * slot // 4 // slot)
+    budget = 7 * slot + slot // 2
+    assert budget // dense == 1
+    llm = LLM(str(path), expert_budget=f"{budget}B", device="cpu", dtype="float32", progress=False)
+    assert llm.engine.runner.tier_plan.device_slots == 7
+    with pytest.raises(BudgetError, match="top-k = 4"):
+        LLM(str(path), expert_budget=f"{4 * slot - 1}B", device="cpu", progress=False)
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.server.tiny import CHATML, VOCAB, save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    path = tmp_path / "chat.gguf"
+    write_gguf(tiny_hf_model("mixtral", vocab_size=VOCAB), path, (T.Q8_0,) * 3, T.F32,
+               tokenizer=tok, chat_template=CHATML)
+    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="float32", progress=False)
+    assert llm.tokenizer is not None and llm.tokenizer.chat_template == CHATML
+    text = "Hi <|im_end|> there"
+    assert llm.tokenizer.encode(text) == tok.encode(text)
+    msgs = [{"role": "user", "content": "hey"}]
+    out = llm.chat(msgs, _params(4))
+    assert out[0].prompt_token_ids == tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False)
+
+
+def _params(n: int) -> Any:
+    from moetier import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_gguf_server(files: Any, tmp_path: Path) -> None:
+    """`moetier serve file.gguf` at half the expert bytes answers transformers' greedy tokens."""
+    from tests.server.conftest import start_server, stop_server
+
+    path, ref = files["qwen3_moe-q4_k_m"]
+    server = start_server(path, tmp_path / "server.log", "--expert-budget", "50%")
+    try:
+        for prompt in PROMPTS[:2]:
+            body = {
+                "model": server.model, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True,
+            }
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(ref, prompt, NEW)
+    finally:
+        assert stop_server(server) == 0
+
+
+def test_missing_or_truncated_file(files: Any, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nothere\.gguf: no such file"):
+        LLM(str(tmp_path / "nothere.gguf"), device="cpu", progress=False)
+    path, _ = files["mixtral-q8_0"]
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated"):
+        open_gguf(cut)
+    cut.write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated"):
+        open_gguf(cut)
+
+
+def test_unsupported_arch_and_dense_file(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"phi\.gguf.*'phi2' is not supported.*qwen3moe"):
+        open_gguf(path)
+    dense = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(dense), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"llama\.gguf.*without experts"):
+        open_gguf(dense)
+
+
+def test_unsupported_expert_type_names_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "q4_0.gguf"
+    model = tiny_hf_model("mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=1)
+    write_gguf(model, path, (T.Q4_0, T.Q8_0, T.Q8_0), T.F32)
+    with pytest.raises(CheckpointError, match=r"q4_0\.gguf: tensor blk\.0\.ffn_gate_exps\.weight "
+                       r"is stored as Q4_0.*supported: .*Q4_K"):
+        open_gguf(path)
+
+
+def test_gguf_file_copied_elsewhere_still_loads(files: Any, tmp_path: Path) -> None:
+    """The file alone is the model: no config.json or tokenizer files beside it are needed."""
+    path, ref = files["mixtral-q8_0"]
+    alone = tmp_path / "alone" / "Mixtral-Tiny.Q8_0.gguf"
+    alone.parent.mkdir()
+    shutil.copy(path, alone)
+    llm = LLM(str(alone), expert_budget="100%", device="cpu", dtype="float32", progress=False)
+    assert moetier_greedy(llm, PROMPTS[:1], 8)[0] == hf_greedy(ref, PROMPTS[0], 8)
