@@ -72,7 +72,9 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf LlamaModel.permute (q/k rows, rotary halves)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
@@ -105,10 +107,10 @@ def _encode_experts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """[E, rows, cols] float32 -> (stored bytes [E, rows, row bytes], their dequantization)."""
     e, rows, cols = values.shape
-    if qtype in (T.F32, T.F16, T.BF16, T.Q8_0):
+    if int(qtype) not in GGUF_CODECS or qtype in (T.F32, T.F16, T.BF16, T.Q8_0):
         raw = gguf.quants.quantize(values.reshape(e * rows, cols), qtype)
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(e, rows, -1)
-    else:
+    else:  # K types: the gguf package quantizes none
         codec = GGUF_CODECS[int(qtype)]
         assert isinstance(codec, GGUFCodec)
         raw = random_blocks(codec, e * rows, cols, 2.0 / cols**0.5, g).numpy().reshape(e, rows, -1)
@@ -192,7 +194,7 @@ def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None) -> None:
     """A byte-level BPE tokenizer (e.g. tests/server/tiny.py's) as GGUF metadata."""
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = set(tok.all_special_tokens)
+    special = {t.content for t in tok.added_tokens_decoder.values()}  # llama.cpp: CONTROL
     import json
 
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]

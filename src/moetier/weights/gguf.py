@@ -35,7 +35,11 @@ from moetier.weights.gguf_quants import GGUF_CODECS, codec_for, ggml_type_name
 __all__ = [
     "GGUFCheckpoint",
     "GGUFExpertLayout",
-    "GGUFModel", "SUPPORTED_ARCHS", "is_gguf", "open_gguf"]
+    "GGUFModel",
+    "SUPPORTED_ARCHS",
+    "is_gguf",
+    "open_gguf",
+]
 
 # GGUF architecture -> the HF architecture (models/registry.py) its tensors load into.
 SUPPORTED_ARCHS = {
@@ -161,7 +165,9 @@ class _Reader:
         while done < total:
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + done}")
+                raise CheckpointError(
+                    f"{self.path}: unexpected end of file at byte {offset + done}"
+                )
             done += n
 
     def close(self) -> None:
@@ -234,7 +240,7 @@ class GGUFCheckpoint:
                 f"{self.model_dir}: tensor {t.name} is stored as "
                 f"{ggml_type_name(t.ggml_type)}, which cannot be dequantized"
             ) from None
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)
 
     def close(self) -> None:
         self._io.close()
@@ -265,11 +271,11 @@ class GGUFExpertLayout(ExpertLayout):
         self.num_experts = num_experts
         self._io = _Reader(file.path)
         self.layer_sources: dict[int, _ExpertSource] = {
-            layer: self._find(layer) for layer in layers
+            layer: self._layer_source(layer) for layer in layers
         }
         self.shape = self._infer_shape()
 
-    def _find(self, layer: int) -> _ExpertSource:
+    def _layer_source(self, layer: int) -> _ExpertSource:
         found = []
         for part in _EXPERT_PARTS:
             name = f"blk.{layer}.{part}.weight"
@@ -427,7 +433,9 @@ class GGUFModel:
         n = int(self.config.num_hidden_layers)
         return [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" in self.file.tensors]
 
-    def open(self, moe_layers: Iterable[int] | None = None) -> tuple[GGUFCheckpoint, GGUFExpertLayout]:
+    def open(
+        self, moe_layers: Iterable[int] | None = None
+    ) -> tuple[GGUFCheckpoint, GGUFExpertLayout]:
         from moetier.layers.moe import moe_config
 
         layers = self.moe_layers() if moe_layers is None else sorted(moe_layers)

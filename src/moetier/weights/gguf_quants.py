@@ -113,8 +113,9 @@ class GGUFCodec:
     def decode(self, raw: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         n = self.nbytes(rows, cols)
         if raw.numel() < n:
-            raise ValueError(f"{self.name}: {raw.numel()} bytes for a [{rows}, {cols}] matrix "
-                             f"that needs {n}")
+            raise ValueError(
+                f"{self.name}: {raw.numel()} bytes for a [{rows}, {cols}] matrix that needs {n}"
+            )
         raw = raw[:n]
         if self.decoder is None:
             assert self.float_dtype is not None
@@ -188,7 +189,7 @@ def random_blocks(
         blocks = torch.cat([f16(uniform(0.5, 1.0) * scale / 127), u8(32)], dim=1)
     elif codec.ggml_type in (Q4_K, Q5_K):
         top = 15 if codec.ggml_type == Q4_K else 31
-        d = uniform(0.5, 1.0) * scale / (63 * top)
+        d = uniform(0.5, 1.0) * scale / (31 * top)
         dmin = d * (top / 2) * uniform(0.9, 1.1)
         # six-bit scales and mins: the packed bytes with each 6-bit value in 16..47
         parts = [f16(d), f16(dmin), u8(12) & 0x1F | 0x10]
