@@ -19,7 +19,7 @@ from moetier.config import (
     format_bytes,
 )
 from moetier.demo.cli import add_demo_parsers
-from moetier.errors import MoetierError
+from moetier.errors import ConfigError, MoetierError
 from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
 from moetier.threads import THREADS_HELP, threads_arg
 
@@ -28,7 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory (default: the built-in demo model)",
+        help="Hugging Face model directory or .gguf file (default: the built-in demo model)",
     )
     p.add_argument(
         "--expert-budget",
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from one prompt")
     _add_model_args(gen)
+    gen.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="the model as a positional argument (same as --model)")  # fmt: skip
     gen.add_argument("--prompt", default="What is the capital of France?")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -104,9 +106,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    if args.model is not None and args.model_path is not None:
+        raise ConfigError("give the model once: as MODEL or as --model")
     start = time.perf_counter()
     llm = LLM(
-        args.model,
+        args.model or args.model_path,
         expert_budget=args.expert_budget,
         host_budget=args.host_budget,
         device=args.device,

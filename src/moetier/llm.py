@@ -46,6 +46,8 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     try:
         if is_gguf(model_dir):  # the tokenizer and chat template are in the file's metadata
             path = Path(model_dir)
+            if not path.is_file():
+                return None  # the engine's load names the missing file
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError, KeyError) as exc:

@@ -167,7 +167,9 @@ def test_budget_buys_slots_of_stored_bytes(files: Any) -> None:
         LLM(str(path), expert_budget=f"{4 * slot - 1}B", device="cpu", progress=False)
 
 
-def test_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
+def test_gguf_tokenizer_chat_template_and_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from transformers import AutoTokenizer
 
     from tests.server.tiny import CHATML, VOCAB, save_byte_tokenizer
@@ -189,7 +191,17 @@ def test_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     assert llm.tokenizer.encode(text) == tok.encode(text)
     msgs = [{"role": "user", "content": "hey"}]
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert llm.chat(msgs, _params(4)).prompt_token_ids == tok.encode(want)
+    reply = llm.chat(msgs, _params(6))
+    assert reply.prompt_token_ids == tok.encode(want)
+    assert len(reply.outputs[0].token_ids) == 6 and reply.outputs[0].text
+    # `moetier generate file.gguf` (the model as a positional argument) says the same
+    from moetier.cli import main
+
+    args = ["generate", str(path), "--prompt", "hey", "--max-tokens", "6", "--device", "cpu"]
+    assert main([*args, "--dtype", "float32", "--expert-budget", "50%"]) == 0
+    assert capsys.readouterr().out == reply.outputs[0].text + "\n"
+    assert main([*args, "--model", str(path)]) == 2
+    assert "give the model once" in capsys.readouterr().err
 
 
 def _params(n: int) -> Any:

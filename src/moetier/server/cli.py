@@ -46,7 +46,9 @@ _FLUSH_S = 5.0
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: demo model)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="model directory or .gguf file (default: demo model)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--expert-budget", default=None, help="device slots for routed experts")
