@@ -117,3 +117,52 @@ def test_tiny_gpt_oss_is_mxfp4_and_transformers_agrees() -> None:
     assert packing.name == "mxfp4" and packing.nbytes == 3 * 64 * 32 * 17 // 32
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == out[0, 6:].tolist()
+
+
+@pytest.mark.parametrize("fmt", ["gguf-q4_k_m", "gguf-q8_0"])
+def test_gguf_synthetic_runs_as_stored(
+    fmt: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench synthetic --format gguf-*`: one .gguf file whose experts are read in their block
+    types; greedy tokens at 25% of the expert bytes equal those with every expert resident."""
+    from moetier import LLM, SamplingParams
+    from moetier.bench.latency import _synthetic_meta
+    from moetier.weights.gguf import open_gguf
+
+    monkeypatch.setenv("MOETIER_HOME", str(tmp_path))
+    shape = "tiny-qwen3-k" if fmt == "gguf-q4_k_m" else "tiny-qwen3"
+    path = ensure_synthetic(shape, None, seed=1, fmt=fmt)
+    assert path.name == "model.gguf" and path.parent.name.endswith(f"-{fmt}")
+    assert ensure_synthetic(shape, None, seed=1, fmt=fmt) == path  # cached
+    meta = _synthetic_meta(path)
+    assert meta is not None and meta["format"] == fmt
+    config, _, layout = open_gguf(path)
+    d, i = (256, 256) if fmt == "gguf-q4_k_m" else (64, 32)
+    assert (config.hidden_size, config.moe_intermediate_size, layout.layers) == (d, i, [0, 1])
+    # gate/up Q4_K (144 bytes per 256 values), down Q6_K (210); Q8_0: 34 bytes per 32
+    want = (
+        2 * i * d // 256 * 144 + d * i // 256 * 210
+        if fmt == "gguf-q4_k_m"
+        else 3 * 34 * i * d // 32
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 77, 301, 9, 42, 7]
+    tokens = []
+    for budget in (None, "25%"):
+        llm = LLM(str(path), expert_budget=budget, device="cpu", progress=False)
+        stats = llm.offload_stats()
+        assert stats["expert_bytes"] == -(-want // 16) * 16
+        tokens.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_gguf_synthetic_rejects_shapes_it_cannot_write(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moetier.errors import ConfigError
+
+    monkeypatch.setenv("MOETIER_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="tiny-qwen3 in gguf-q4_k.*blocks of 256"):
+        ensure_synthetic("tiny-qwen3", None, seed=1, fmt="gguf-q4_k")
+    with pytest.raises(ConfigError, match="deepseek_v2.*no GGUF writer"):
+        ensure_synthetic("tiny-deepseek-v2", None, seed=1, fmt="gguf-q8_0")

@@ -62,7 +62,10 @@ def add_bench_parser(sub: Any) -> None:
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--fill-device", default=None, help="default: cuda when available")
     syn.add_argument(
-        "--format", default="bf16", choices=FORMATS, help="expert storage (fp8: e4m3, 128x128)"
+        "--format",
+        default="bf16",
+        choices=FORMATS,
+        help="expert storage (fp8: e4m3, 128x128; gguf-*: one .gguf file, experts in that type)",
     )
     syn.set_defaults(func=cmd_synthetic)
     srv = bsub.add_parser(

@@ -247,7 +247,8 @@ def _synthetic_meta(path: Path) -> dict[str, Any] | None:
 
     from moetier.bench.synthetic import MARKER
 
-    marker = Path(path) / MARKER
+    base = Path(path)
+    marker = (base.parent if base.is_file() else base) / MARKER  # a GGUF synthetic: the file
     return json.loads(marker.read_text()) if marker.exists() else None
 
 

@@ -165,6 +165,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
+    # Rows of whole K-quant blocks (256 values) for the GGUF K formats.
+    "tiny-qwen3-k": dict(
+        model_type="qwen3_moe",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
     "tiny-mixtral": dict(
         model_type="mixtral",
         hidden_size=64,
@@ -199,6 +214,7 @@ DEFAULT_LAYERS = {
     "mixtral-8x7b": 32,
     "olmoe-1b-7b": 16,
     "tiny-qwen3": 2,
+    "tiny-qwen3-k": 2,
     "tiny-deepseek-v2": 3,
     "tiny-mixtral": 2,
 }
@@ -211,8 +227,18 @@ def moetier_home() -> Path:
     return Path(os.environ.get("MOETIER_HOME") or Path.home() / ".cache" / "moetier")
 
 
-# Expert storage formats a synthetic checkpoint can be written in (`--format`).
-FORMATS = ("bf16", "fp8")
+# Expert storage formats a synthetic checkpoint can be written in (`--format`). gguf-*: one
+# GGUF file (`model.gguf`) with experts as random valid blocks of that type (q4_k_m: gate and
+# up Q4_K, down Q6_K) and the other weights F16.
+GGUF_FORMATS: dict[str, tuple[str, str, str]] = {
+    "gguf-q4_k": ("gguf-q4_k",) * 3,
+    "gguf-q4_k_m": ("gguf-q4_k", "gguf-q4_k", "gguf-q6_k"),
+    "gguf-q6_k": ("gguf-q6_k",) * 3,
+    "gguf-q8_0": ("gguf-q8_0",) * 3,
+}
+FORMATS = ("bf16", "fp8", *GGUF_FORMATS)
+GGUF_FILE = "model.gguf"
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def synthetic_dir(shape: str, num_layers: int, seed: int, fmt: str = "bf16") -> Path:
@@ -309,7 +335,8 @@ def write_synthetic(
     bf16: experts are stored fused (`experts.gate_up_proj`, `experts.down_proj`) as
     transformers saves them; the MXFP4 shapes (gpt-oss) store `*_blocks` + `*_scales` instead.
     fp8: per expert in e4m3 with 128x128 block scales (`weight_scale_inv`), the layout of
-    Qwen3-*-FP8 and DeepSeek-V3 (other weights bf16). `device`: where to fill (default CUDA
+    Qwen3-*-FP8 and DeepSeek-V3 (other weights bf16). gguf-*: one GGUF file in `path`
+    (`write_synthetic_gguf`), whose path is returned. `device`: where to fill (default CUDA
     when available). A writer thread saves one shard while the next is filled, so a GPU fill
     runs at disk speed.
     """
@@ -317,6 +344,9 @@ def write_synthetic(
         from moetier.errors import ConfigError
 
         raise ConfigError(f"unknown synthetic format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if fmt in GGUF_FORMATS:
+        path.mkdir(parents=True, exist_ok=True)
+        return write_synthetic_gguf(path / GGUF_FILE, shape, num_layers, seed, device, fmt)
     from transformers import AutoModelForCausalLM
 
     config = shape_config(shape, num_layers)
@@ -404,6 +434,119 @@ def _fp8_experts(tensors: dict[str, torch.Tensor], device: torch.device) -> dict
     return out
 
 
+def write_synthetic_gguf(
+    file: Path,
+    shape: str,
+    num_layers: int,
+    seed: int = 0,
+    device: str | None = None,
+    fmt: str = "gguf-q4_k_m",
+) -> Path:
+    """Write `shape` as one GGUF file: experts (`blk.N.ffn_{gate,up,down}_exps`) as random
+    valid blocks of the format's types (no float matrix is quantized: the gguf package has no K
+    quantizer, and random weights would gain nothing from one), other weights F16 from the
+    seeded filler, norms F32 ones. Tensors stream to the file one by one (never all in RAM)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from moetier.errors import ConfigError
+    from moetier.weights.formats import get_codec
+    from moetier.weights.gguf_quants import GGUFCodec, random_blocks
+
+    config = shape_config(shape, num_layers)
+    arch = _GGUF_ARCH.get(config.model_type)
+    if arch is None:
+        raise ConfigError(
+            f"synthetic shape {shape!r} ({config.model_type}) has no GGUF writer; GGUF formats "
+            f"are written for {', '.join(sorted(_GGUF_ARCH))} shapes"
+        )
+    codecs: list[GGUFCodec] = []
+    for codec_name in GGUF_FORMATS[fmt]:
+        codec = get_codec(codec_name)
+        assert isinstance(codec, GGUFCodec)
+        codecs.append(codec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = gguf.get_tensor_name_map(
+        {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "llama": gguf.MODEL_ARCH.LLAMA}[arch], num_layers
+    )
+    # (GGUF name, fill key, torch shape [.., rows, cols], codec or None = F16 / F32 norms)
+    plan: list[tuple[str, str, tuple[int, ...], Any]] = []
+    for name, p in model.state_dict().items():
+        if ".experts." in name:
+            layer = name.split(".")[2]
+            e, rows, cols = p.shape
+            if name.endswith("gate_up_proj"):
+                plan.append((f"blk.{layer}.ffn_gate_exps.weight", name, (e, rows // 2, cols), 0))
+                plan.append((f"blk.{layer}.ffn_up_exps.weight", name, (e, rows // 2, cols), 1))
+            else:
+                plan.append((f"blk.{layer}.ffn_down_exps.weight", name, (e, rows, cols), 2))
+            continue
+        base, _, suffix = name.rpartition(".")
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            raise ConfigError(f"synthetic {shape}: no GGUF name for {name}")
+        plan.append((f"{gguf_name}.{suffix}", name, tuple(p.shape), None))
+    for gguf_name, _, dims, k in plan:
+        if k is not None:
+            try:
+                codecs[k].nbytes(dims[1], dims[2])
+            except ValueError as exc:
+                raise ConfigError(f"synthetic {shape} in {fmt}: {gguf_name}: {exc}") from None
+    w = gguf.GGUFWriter(str(file), arch)
+    _gguf_metadata(w, arch, config, shape)
+    for gguf_name, _, dims, k in plan:
+        if k is None:
+            dtype = np.float32 if "norm" in gguf_name else np.float16
+            nbytes = int(np.prod(dims)) * np.dtype(dtype).itemsize
+            w.add_tensor_info(gguf_name, dims, np.dtype(dtype), nbytes)
+        else:
+            c = codecs[k]
+            nbytes = dims[0] * c.nbytes(dims[1], dims[2])
+            byte_shape = (dims[0], dims[1], nbytes // dims[0] // dims[1])
+            w.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), nbytes, c.ggml_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    filler = _Filler(seed, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    for gguf_name, key, dims, k in plan:
+        if k is None:
+            t = filler(key, torch.Size(dims)).float()
+            w.write_tensor_data(t.numpy().astype(np.float32 if "norm" in gguf_name else np.float16))
+            continue
+        c = codecs[k]
+        e, rows, cols = dims
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gguf_name.encode()))
+        blocks = random_blocks(c, e * rows, cols, 2.0 / cols**0.5, gen)
+        w.write_tensor_data(blocks.numpy().reshape(e, rows, -1))
+    w.close()
+    return file
+
+
+def _gguf_metadata(w: Any, arch: str, config: Any, shape: str) -> None:
+    """llama.cpp's metadata keys for the config (what weights/gguf.py reads back)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_name(f"synthetic-{shape}")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_vocab_size(config.vocab_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    if arch == "llama":
+        w.add_expert_count(config.num_local_experts)
+    else:
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+
+
 def ensure_synthetic(
     shape: str,
     num_layers: int | None = None,
@@ -413,16 +556,17 @@ def ensure_synthetic(
 ) -> Path:
     """The cached checkpoint of (shape, layers, seed, format); generated first when missing or
     partial. The marker file is written last, so an interrupted write is detected and redone.
+    A GGUF format gives the .gguf file (in that directory, beside the marker).
     """
     layers = num_layers or DEFAULT_LAYERS.get(shape, 4)
     path = synthetic_dir(shape, layers, seed, fmt)
     if (path / MARKER).exists():
-        return path
+        return path / GGUF_FILE if fmt in GGUF_FORMATS else path
     if path.exists():
         log.warning("removing incomplete synthetic checkpoint %s", path)
         shutil.rmtree(path)
     t0 = time.perf_counter()
-    write_synthetic(path, shape, layers, seed, device, fmt)
+    written = write_synthetic(path, shape, layers, seed, device, fmt)
     fill = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(
         shape=shape,
@@ -434,7 +578,7 @@ def ensure_synthetic(
     )
     (path / MARKER).write_text(json.dumps(meta) + "\n")
     log.info("wrote synthetic %s in %.1f s", path, meta["write_s"])
-    return path
+    return written
 
 
 def decode_benchmark(
