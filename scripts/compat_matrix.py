@@ -55,6 +55,8 @@ CPU_COLUMNS = (
         "slot kernel path", "tests.models.test_slot_kernel", "test_slot_kernel_parity", kernel=True
     ),
     Column("prefetch", "tests.models.test_prefetch_parity", "test_parity_with_same_index_prefetch"),
+    # GGUF files (Q4_K_M and Q8_0 experts) at 100%, 50% and the minimum budget
+    Column("GGUF file", "tests.models.test_gguf", "test_gguf_parity"),
 )
 GPU_COLUMNS = (
     Column("H200 fp32 parity", "tests.gpu.test_gpu_parity", "test_fp32_parity_on_cuda"),

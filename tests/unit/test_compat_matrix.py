@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
-<testsuite name="pytest" tests="5" timestamp="2026-12-04T20:00:00">
+<testsuite name="pytest" tests="8" timestamp="2026-12-04T20:00:00">
 <testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-None]"/>
 <testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-50%]">
 <failure message="token mismatch">x</failure></testcase>
@@ -17,6 +17,10 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
 <testcase classname="tests.models.test_slot_kernel" name="test_slot_kernel_parity[mixtral-min]">
 <skipped message="s"/></testcase>
 <testcase classname="tests.models.test_family_parity" name="test_unparametrized"/>
+<testcase classname="tests.models.test_gguf" name="test_gguf_parity[qwen3_moe-q4_k_m-min]"/>
+<testcase classname="tests.models.test_gguf" name="test_gguf_parity[mixtral-q8_0-50%]"/>
+<testcase classname="tests.models.test_gguf" name="test_gguf_parity[mixtral-q4_k_m-50%]">
+<failure message="token mismatch">x</failure></testcase>
 </testsuite></testsuites>"""
 
 
@@ -34,10 +38,12 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     cm = _script()
     (tmp_path / "cpu.xml").write_text(JUNIT)
     cases, stamp = cm.read_junit(tmp_path / "cpu.xml")
-    assert stamp == "2026-12-04T20:00:00" and len(cases) == 4
-    full, half, low, _, _, _, slot, _ = cm.CPU_COLUMNS
+    assert stamp == "2026-12-04T20:00:00" and len(cases) == 7
+    full, half, low, _, _, _, slot, _, gguf = cm.CPU_COLUMNS
     assert cm.cell(cases, full, "gemma4", True) == "pass"
     assert cm.cell(cases, half, "gemma4", True) == "**FAIL** 1/1"
     assert cm.cell(cases, low, "gemma4", True) == "not run"
     assert cm.cell(cases, slot, "gemma4", True) == "pass (loop fallback)"
     assert cm.cell(cases, slot, "mixtral", False) == "skipped"
+    assert cm.cell(cases, gguf, "qwen3_moe", False) == "pass"  # every format and budget
+    assert cm.cell(cases, gguf, "mixtral", False) == "**FAIL** 1/2"
