@@ -129,7 +129,8 @@ def write_gguf(
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a tiny HF MoE model) as a GGUF file at `path`; return the reference
     state dict: the model's weights with each stored tensor replaced by gguf's dequantization
-    of the bytes written (experts and, with a quantized `dense_type`, 2-D matrices)."""
+    of the bytes written (experts and, with a quantized `dense_type`, 2-D matrices; a K type
+    writes random valid blocks there too, as for experts)."""
     cfg = model.config
     arch = ARCH[cfg.model_type]
     names = gguf.get_tensor_name_map(ARCH_ENUM[arch], cfg.num_hidden_layers)
@@ -165,12 +166,19 @@ def write_gguf(
         if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
             heads = cfg.num_attention_heads if gguf_name.endswith("q") else cfg.num_key_value_heads
             stored = _permute(value, heads)
-        qtype = dense_type if value.ndim == 2 and value.shape[1] % 32 == 0 else T.F32
+        block = gguf.GGML_QUANT_SIZES[dense_type][0]
+        qtype = dense_type if value.ndim == 2 and value.shape[1] % block == 0 else T.F32
         if qtype == T.F32:
             w.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(stored))
             ref[hf_name] = tensor.detach().float().clone()
             continue
-        raw = gguf.quants.quantize(np.ascontiguousarray(stored), qtype)
+        if int(qtype) in GGUF_CODECS and qtype not in (T.F16, T.BF16, T.Q8_0):  # K types
+            codec = GGUF_CODECS[int(qtype)]
+            assert isinstance(codec, GGUFCodec)
+            rows, cols = value.shape
+            raw = random_blocks(codec, rows, cols, 2.0 / cols**0.5, g).numpy()
+        else:
+            raw = gguf.quants.quantize(np.ascontiguousarray(stored), qtype)
         w.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=qtype)
         # dequantized and un-permuted the way transformers loads it
         deq = gguf.quants.dequantize(raw, qtype).reshape(value.shape)

@@ -40,6 +40,8 @@ CASES: dict[str, tuple[str, tuple[T, T, T], T]] = {
     "mixtral-q4_k_m": ("mixtral", Q4_K_M, T.F32),
     "mixtral-q8_0": ("mixtral", (T.Q8_0,) * 3, T.Q8_0),
     "qwen2_moe-q4_k_m": ("qwen2_moe", Q4_K_M, T.F32),
+    # every matrix block-quantized, non-experts too (real files store them so)
+    "qwen3_moe-q5_k-q6_k": ("qwen3_moe", (T.Q5_K,) * 3, T.Q6_K),
 }
 _SIZES = {"qwen3_moe": (256, 256), "qwen2_moe": (256, 256), "mixtral": (256, 256)}  # (D, I)
 

@@ -191,7 +191,7 @@ class GGUFCheckpoint:
     def __init__(self, file: _GGUFFile, config: Any) -> None:
         self.file = file
         self.model_dir = file.path
-        self._io = _Reader(file.path)
+        self.io = _Reader(file.path)
         self._heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         self.names: dict[str, str] = {}  # HF name -> GGUF name
         for name in file.tensors:
@@ -225,7 +225,7 @@ class GGUFCheckpoint:
         codec = GGUF_CODECS.get(t.ggml_type)
         if codec is not None:
             raw = torch.empty(t.nbytes, dtype=torch.uint8)
-            self._io.read_into(t.offset, raw)
+            self.io.read_into(t.offset, raw)
             cols = t.shape[-1]
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
             return codec.decode(raw, rows, cols, torch.float32).reshape(t.shape)
@@ -243,7 +243,7 @@ class GGUFCheckpoint:
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)
 
     def close(self) -> None:
-        self._io.close()
+        self.io.close()
 
 
 def _hf_name(name: str) -> str | None:
@@ -269,7 +269,7 @@ class GGUFExpertLayout(ExpertLayout):
         self.file = file
         self.ckpt = ckpt  # type: ignore[assignment]
         self.num_experts = num_experts
-        self._io = _Reader(file.path)
+        self._io = ckpt.io  # one file descriptor per file, as a safetensors Checkpoint has
         self.layer_sources: dict[int, _ExpertSource] = {
             layer: self._layer_source(layer) for layer in layers
         }
