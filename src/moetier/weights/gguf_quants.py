@@ -30,8 +30,9 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _shifts(device: torch.device, *values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device)
+def _shifts(device: torch.device, end: int, step: int) -> torch.Tensor:
+    """Bit shifts 0, step, .. < end as uint8, made on `device` (no host copy: CUDA-graph safe)."""
+    return torch.arange(0, end, step, dtype=torch.uint8, device=device)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,7 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     sc, mn = _k_scale_min(blocks[:, 4:16])
     scale = (d * sc.float()).reshape(n, 8, 1)
     offset = (dmin * mn.float()).reshape(n, 8, 1)
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> _shifts(blocks.device, 0, 4).reshape(1, 1, 2, 1)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> _shifts(blocks.device, 8, 4).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(n, 8, 32).float()
     return (scale * q - offset).reshape(n, QK_K)
 
@@ -68,8 +69,8 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     scale = (d * sc.float()).reshape(n, 8, 1)
     offset = (dmin * mn.float()).reshape(n, 8, 1)
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
-    ql = qs.reshape(n, 4, 1, 32) >> _shifts(blocks.device, 0, 4).reshape(1, 1, 2, 1)
-    hi = qh.reshape(n, 1, 1, 32) >> _shifts(blocks.device, *range(8)).reshape(1, 1, 8, 1)
+    ql = qs.reshape(n, 4, 1, 32) >> _shifts(blocks.device, 8, 4).reshape(1, 1, 2, 1)
+    hi = qh.reshape(n, 1, 1, 32) >> _shifts(blocks.device, 8, 1).reshape(1, 1, 8, 1)
     q = ((ql & 0x0F).reshape(n, 8, 32) | ((hi & 0x01).reshape(n, 8, 32) << 4)).float()
     return (scale * q - offset).reshape(n, QK_K)
 
@@ -80,8 +81,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
     d = _f16(blocks[:, 208:210])
     scale = (d * scales).reshape(n, QK_K // 16, 1)
-    lo = ql.reshape(n, 2, 1, 64) >> _shifts(blocks.device, 0, 4).reshape(1, 1, 2, 1)
-    hi = qh.reshape(n, 2, 1, 32) >> _shifts(blocks.device, 0, 2, 4, 6).reshape(1, 1, 4, 1)
+    lo = ql.reshape(n, 2, 1, 64) >> _shifts(blocks.device, 8, 4).reshape(1, 1, 2, 1)
+    hi = qh.reshape(n, 2, 1, 32) >> _shifts(blocks.device, 8, 2).reshape(1, 1, 4, 1)
     q = (lo & 0x0F).reshape(n, 8, 32) | ((hi & 0x03).reshape(n, 8, 32) << 4)
     q = (q.view(torch.int8) - 32).reshape(n, QK_K // 16, 16).float()
     return (scale * q).reshape(n, QK_K)
