@@ -121,13 +121,16 @@ def _encode_experts(
 def write_gguf(
     model: Any,
     path: Path,
-    expert_types: tuple[T, T, T] = Q4_K_M,
+    expert_types: tuple[T, T, T] | dict[int, tuple[T, T, T]] = Q4_K_M,
     dense_type: T = T.F32,
     tokenizer: Any = None,
     chat_template: str | None = None,
     seed: int = 0,
+    per_expert: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Write `model` (a tiny HF MoE model) as a GGUF file at `path`; return the reference
+    """Write `model` (a tiny HF MoE model) as a GGUF file at `path` (experts merged per layer,
+    or with `per_expert` one tensor per expert; `expert_types` for all layers or per layer);
+    return the reference
     state dict: the model's weights with each stored tensor replaced by gguf's dequantization
     of the bytes written (experts and, with a quantized `dense_type`, 2-D matrices; a K type
     writes random valid blocks there too, as for experts)."""
@@ -152,8 +155,15 @@ def write_gguf(
                 parts = [("down", value, 2)]
             deq = []
             for part, v, k in parts:
-                raw, d = _encode_experts(np.ascontiguousarray(v), expert_types[k], g)
-                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_dtype=expert_types[k])
+                types = expert_types[int(layer)] if isinstance(expert_types, dict) else expert_types
+                raw, d = _encode_experts(np.ascontiguousarray(v), types[k], g)
+                if per_expert:  # llama.cpp's first Mixtral files: blk.N.ffn_gate.E.weight
+                    for e in range(raw.shape[0]):
+                        w.add_tensor(
+                            f"blk.{layer}.ffn_{part}.{e}.weight", raw[e], raw_dtype=types[k]
+                        )
+                else:
+                    w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_dtype=types[k])
                 deq.append(d)
             ref[hf_name] = torch.from_numpy(np.concatenate(deq, axis=1))
             continue

@@ -34,7 +34,10 @@ from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_gree
 
 NEW = 16
 # name -> (family, expert types, non-expert type)
-CASES: dict[str, tuple[str, tuple[T, T, T], T]] = {
+Types = tuple[T, T, T] | dict[int, tuple[T, T, T]]
+# Q4_K_M as llama.cpp writes it: down in Q6_K in some layers, Q4_K in others
+MIXED = {0: Q4_K_M, 1: (T.Q4_K,) * 3}
+CASES: dict[str, tuple[str, Types, T]] = {
     "qwen3_moe-q4_k_m": ("qwen3_moe", Q4_K_M, T.F32),
     "qwen3_moe-q8_0": ("qwen3_moe", (T.Q8_0,) * 3, T.Q8_0),
     "mixtral-q4_k_m": ("mixtral", Q4_K_M, T.F32),
@@ -42,6 +45,9 @@ CASES: dict[str, tuple[str, tuple[T, T, T], T]] = {
     "qwen2_moe-q4_k_m": ("qwen2_moe", Q4_K_M, T.F32),
     # every matrix block-quantized, non-experts too (real files store them so)
     "qwen3_moe-q5_k-q6_k": ("qwen3_moe", (T.Q5_K,) * 3, T.Q6_K),
+    "qwen3_moe-q4_k_m-mixed": ("qwen3_moe", MIXED, T.Q8_0),
+    # one tensor per expert (blk.N.ffn_gate.E.weight), as the first Mixtral GGUF files
+    "mixtral-per_expert": ("mixtral", MIXED, T.F32),
 }
 _SIZES = {"qwen3_moe": (256, 256), "qwen2_moe": (256, 256), "mixtral": (256, 256)}  # (D, I)
 
@@ -67,7 +73,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
             path = root / name / "model.gguf"
             path.parent.mkdir()
             model = tiny_hf_model(family)
-            state = write_gguf(model, path, experts, dense)
+            state = write_gguf(model, path, experts, dense, per_expert="per_expert" in name)
             if family == "mixtral":
                 ref = reference_model(model, state)
             else:
@@ -78,8 +84,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
     return Lazy(made)
 
 
-def _slot_bytes(experts: tuple[T, T, T], d: int, i: int) -> int:
-    """One packed expert: gate [I, D], up [I, D], down [D, I] as GGUF blocks, 16-byte aligned."""
+def _slot_bytes(experts: Types, d: int, i: int) -> int:
+    """One packed expert: gate [I, D], up [I, D], down [D, I] as GGUF blocks, 16-byte aligned
+    (per-layer types: the largest layer's)."""
+    if isinstance(experts, dict):
+        return max(_slot_bytes(types, d, i) for types in experts.values())
     total = 0
     for qtype, (rows, cols) in zip(experts, ((i, d), (i, d), (d, i))):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -149,6 +158,28 @@ def test_layout_keeps_stored_types(files: Any) -> None:
         t = tensors[f"blk.1.ffn_{part}_exps.weight"]
         want = gguf.quants.dequantize(t.data[3], t.tensor_type)
         assert torch.equal(got, torch.from_numpy(want.copy())), part
+
+
+def test_per_layer_types_and_per_expert_tensors(files: Any) -> None:
+    """A Q4_K_M file whose down is Q6_K in one layer and Q4_K in the other: each layer decodes
+    its own types, a slot holds the larger; per-expert tensors read the same way."""
+    for name in ("qwen3_moe-q4_k_m-mixed", "mixtral-per_expert"):
+        path, _ = files[name]
+        _, _, layout = open_gguf(path)
+        packing = layout.packing(torch.float32)
+        names = {layer: f.name for layer, f in packing.formats.items()}
+        assert names == {0: "gguf-q4_k/gguf-q4_k/gguf-q6_k", 1: "gguf-q4_k"}, name
+        assert packing.nbytes == _slot_bytes(Q4_K_M, 256, 256) > packing.formats[1].nbytes
+        assert layout.source_bytes(1, 5) == 3 * 256 * 144
+        row = torch.zeros(packing.numel, dtype=torch.uint8)
+        assert layout.read_into(1, 5, row) == 3 * 256 * 144
+        gate_up, down = packing.formats[1].split(row)
+        tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        per = "per_expert" in name
+        for part, got in (("gate", gate_up[:256]), ("up", gate_up[256:]), ("down", down)):
+            t = tensors[f"blk.1.ffn_{part}.5.weight" if per else f"blk.1.ffn_{part}_exps.weight"]
+            want = gguf.quants.dequantize(t.data if per else t.data[5], t.tensor_type)
+            assert torch.equal(got, torch.from_numpy(want.copy())), (name, part)
 
 
 def test_budget_buys_slots_of_stored_bytes(files: Any) -> None:

@@ -257,13 +257,20 @@ def _hf_name(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class _ExpertSource:
-    tensors: tuple[_Tensor, _Tensor, _Tensor]  # gate [E, I, D], up [E, I, D], down [E, D, I]
+    """Where one MoE layer's experts lie: per matrix (gate, up, down) each expert's byte
+    offset, the bytes of one expert's matrix and its codec; `dims` (I, D)."""
+
+    offsets: tuple[list[int], list[int], list[int]]
+    sizes: tuple[int, int, int]
     codecs: tuple[MatrixCodec, MatrixCodec, MatrixCodec]
+    dims: tuple[int, int]
 
 
 class GGUFExpertLayout(ExpertLayout):
-    """The routed experts of a GGUF file (`blk.N.ffn_{gate,up,down}_exps`), read by offset
-    and packed in their stored block types (the `ExpertLayout` interface the tiers use)."""
+    """The routed experts of a GGUF file, read by offset and packed in their stored block types
+    (the `ExpertLayout` interface the tiers use). Merged per layer (`blk.N.ffn_gate_exps`
+    [E, I, D], each expert's blocks contiguous), as llama.cpp writes since 2024, or one tensor
+    per expert (`blk.N.ffn_gate.E.weight`), as its first Mixtral files did."""
 
     def __init__(self, file: _GGUFFile, ckpt: GGUFCheckpoint, layers: list[int], num_experts: int):
         self.file = file
@@ -276,38 +283,59 @@ class GGUFExpertLayout(ExpertLayout):
         self.shape = self._infer_shape()
 
     def _layer_source(self, layer: int) -> _ExpertSource:
-        found = []
-        for part in _EXPERT_PARTS:
-            name = f"blk.{layer}.{part}.weight"
-            t = self.file.tensors.get(name)
-            if t is None:
-                raise CheckpointError(
-                    f"{self.file.path}: MoE layer {layer} has no routed-expert tensor {name}"
-                )
-            if len(t.shape) != 3 or t.shape[0] != self.num_experts:
-                raise CheckpointError(
-                    f"{self.file.path}: {name} has shape {list(t.shape)}; expected "
-                    f"[{self.num_experts}, rows, cols] (one matrix per expert)"
-                )
-            found.append(t)
-        gate, up, down = found
-        if gate.shape != up.shape or down.shape[1:] != gate.shape[1:][::-1]:
+        path, e = self.file.path, self.num_experts
+        if f"blk.{layer}.ffn_gate.0.weight" in self.file.tensors:
+            per_expert = [
+                [self._tensor(f"blk.{layer}.{part}.{x}.weight", layer) for x in range(e)]
+                for part in ("ffn_gate", "ffn_up", "ffn_down")
+            ]
+            for tensors in per_expert:
+                kinds = {(t.ggml_type, t.shape, t.nbytes) for t in tensors}
+                if len(kinds) != 1 or len(tensors[0].shape) != 2:
+                    raise CheckpointError(
+                        f"{path}: layer {layer}'s {tensors[0].name.rsplit('.', 3)[0]}.E tensors "
+                        f"differ in type or shape, or are not matrices"
+                    )
+            heads = [ts[0] for ts in per_expert]
+            shapes = [tuple(t.shape) for t in heads]
+            offsets = tuple([t.offset for t in ts] for ts in per_expert)
+            sizes = tuple(t.nbytes for t in heads)
+        else:
+            heads = [self._tensor(f"blk.{layer}.{part}.weight", layer) for part in _EXPERT_PARTS]
+            for t in heads:
+                if len(t.shape) != 3 or t.shape[0] != e:
+                    raise CheckpointError(
+                        f"{path}: {t.name} has shape {list(t.shape)}; expected "
+                        f"[{e}, rows, cols] (one matrix per expert)"
+                    )
+            shapes = [tuple(t.shape[1:]) for t in heads]
+            sizes = tuple(t.nbytes // e for t in heads)
+            offsets = tuple([t.offset + x * n for x in range(e)] for t, n in zip(heads, sizes))
+        (gi, gd), up, (dd, di) = shapes
+        if up != (gi, gd) or (dd, di) != (gd, gi):
             raise CheckpointError(
-                f"{self.file.path}: layer {layer} experts gate {list(gate.shape)}, up "
-                f"{list(up.shape)} and down {list(down.shape)} do not fit together "
-                f"([E, I, D], [E, I, D], [E, D, I])"
+                f"{path}: layer {layer} experts gate {list(shapes[0])}, up {list(up)} and down "
+                f"{[dd, di]} do not fit together ([I, D], [I, D], [D, I] per expert)"
             )
         try:
-            codecs = tuple(codec_for(t.ggml_type, t.name, self.file.path) for t in found)
-            for t, c in zip(found, codecs):
-                if c.nbytes(t.shape[1], t.shape[2]) * self.num_experts != t.nbytes:
-                    raise ValueError(f"tensor {t.name} has {t.nbytes} bytes, not its shape's")
+            codecs = tuple(codec_for(t.ggml_type, t.name, path) for t in heads)
+            for t, c, (rows, cols), n in zip(heads, codecs, shapes, sizes):
+                if c.nbytes(rows, cols) != n:
+                    raise ValueError(f"tensor {t.name} has {n} bytes per expert, not its shape's")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        return _ExpertSource((gate, up, down), codecs)  # type: ignore[arg-type]
+        return _ExpertSource(offsets, sizes, codecs, (gi, gd))  # type: ignore[arg-type]
+
+    def _tensor(self, name: str, layer: int) -> _Tensor:
+        t = self.file.tensors.get(name)
+        if t is None:
+            raise CheckpointError(
+                f"{self.file.path}: MoE layer {layer} has no routed-expert tensor {name}"
+            )
+        return t
 
     def _infer_shape(self) -> ExpertShape:
-        shapes = {src.tensors[0].shape[1:] for src in self.layer_sources.values()}
+        shapes = {src.dims for src in self.layer_sources.values()}
         if len(shapes) != 1:
             raise CheckpointError(
                 f"{self.file.path}: MoE layers have different expert shapes {sorted(shapes)}"
@@ -328,18 +356,20 @@ class GGUFExpertLayout(ExpertLayout):
         )
 
     def source_bytes(self, layer: int, expert: int) -> int:
-        return sum(t.nbytes // self.num_experts for t in self.layer_sources[layer].tensors)
+        return sum(self.layer_sources[layer].sizes)
 
     def read_into(self, layer: int, expert: int, out: torch.Tensor) -> int:
         """Read expert (layer, expert)'s stored blocks into the packed CPU uint8 row `out`."""
         src = self.layer_sources[layer]
         fmt = ExpertFormat(self.shape, torch.float32, src.codecs)
-        total = 0
-        for t, part in zip(src.tensors, fmt.parts(out)):
-            n = t.nbytes // self.num_experts
-            self._io.read_into(t.offset + expert * n, part)
-            total += n
-        return total
+        for offsets, part in zip(src.offsets, fmt.parts(out)):
+            self._io.read_into(offsets[expert], part)
+        return sum(src.sizes)
+
+
+def _has_experts(file: _GGUFFile, layer: int) -> bool:
+    names = (f"blk.{layer}.ffn_gate_exps.weight", f"blk.{layer}.ffn_gate.0.weight")
+    return any(n in file.tensors for n in names)
 
 
 def _config(file: _GGUFFile) -> Any:
@@ -359,7 +389,7 @@ def _config(file: _GGUFFile) -> Any:
     from transformers import AutoConfig
 
     layers = int(file.require("block_count"))
-    moe_layers = [n for n in range(layers) if f"blk.{n}.ffn_gate_exps.weight" in file.tensors]
+    moe_layers = [n for n in range(layers) if _has_experts(file, n)]
     if arch == "llama":
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
     try:
@@ -410,9 +440,12 @@ def _mixtral_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
         "sliding_window": None,
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
-    gate = file.tensors.get("blk.0.ffn_gate_exps.weight")
-    if gate is not None:
-        out["intermediate_size"] = gate.shape[1]  # the expert width (Mixtral: = feed_forward)
+    # the expert width (Mixtral: = feed_forward_length): merged [E, I, D] or per expert [I, D]
+    merged, first = (file.tensors.get(f"blk.0.ffn_gate{s}.weight") for s in ("_exps", ".0"))
+    if merged is not None:
+        out["intermediate_size"] = merged.shape[1]
+    elif first is not None:
+        out["intermediate_size"] = first.shape[0]
     for key in ("bos_token_id", "eos_token_id"):
         value = file.fields.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -431,7 +464,7 @@ class GGUFModel:
     def moe_layers(self) -> list[int]:
         """The blocks that hold routed experts."""
         n = int(self.config.num_hidden_layers)
-        return [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" in self.file.tensors]
+        return [i for i in range(n) if _has_experts(self.file, i)]
 
     def open(
         self, moe_layers: Iterable[int] | None = None
