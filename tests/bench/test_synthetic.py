@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def test_tiny_gpt_oss_is_mxfp4_and_transformers_agrees() -> None:
 
 @pytest.mark.parametrize("fmt", ["gguf-q4_k_m", "gguf-q8_0"])
 def test_gguf_synthetic_runs_as_stored(
-    fmt: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`bench synthetic --format gguf-*`: one .gguf file whose experts are read in their block
     types; greedy tokens at 25% of the expert bytes equal those with every expert resident."""
@@ -157,7 +159,7 @@ def test_gguf_synthetic_runs_as_stored(
 
 
 def test_gguf_synthetic_rejects_shapes_it_cannot_write(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from moetier.errors import ConfigError
 
@@ -166,3 +168,20 @@ def test_gguf_synthetic_rejects_shapes_it_cannot_write(
         ensure_synthetic("tiny-qwen3", None, seed=1, fmt="gguf-q4_k")
     with pytest.raises(ConfigError, match="deepseek_v2.*no GGUF writer"):
         ensure_synthetic("tiny-deepseek-v2", None, seed=1, fmt="gguf-q8_0")
+
+
+def test_bench_latency_on_a_gguf_synthetic(tmp_path: Path) -> None:
+    """`moetier bench latency --synthetic S --format gguf-q4_k_m` reads the file's config and
+    times a miss's pread of the expert's stored bytes (Q4_K_M: 2 x 256 x 144 + 256 x 210)."""
+    import json
+
+    from moetier.cli import main
+
+    out = tmp_path / "lat.json"
+    args = ["bench", "latency", "--synthetic", "tiny-qwen3-k", "--format", "gguf-q4_k_m"]
+    args += ["--expert-budget", "50%", "--input-len", "8", "--output-len", "4", "--device", "cpu"]
+    assert main([*args, "--num-prompts", "1", "--no-progress", "--save-result", str(out)]) == 0
+    result = json.loads(out.read_text())
+    meta = result["settings"]["synthetic_meta"]
+    assert meta["format"] == "gguf-q4_k_m" and meta["shape"] == "tiny-qwen3-k"
+    assert result["link"]["link_bytes_per_miss"] == 2 * 256 * 144 + 256 * 210

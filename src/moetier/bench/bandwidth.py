@@ -63,7 +63,8 @@ def measure_link(device: torch.device, expert_bytes: int, model_dir: Path) -> di
             "expert_bytes": expert_bytes,
             "bound_GBps": at_expert,
         }
-    shards = sorted(model_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    files = [model_dir] if model_dir.is_file() else model_dir.glob("*.safetensors")  # a .gguf
+    shards = sorted(files, key=lambda p: p.stat().st_size)
     disk = _pread_GBps(shards[-1], expert_bytes) if shards else float("nan")
     return {
         "link": "cpu: pread from the checkpoint (page cache) into RAM; no device link",

@@ -24,6 +24,7 @@ from moetier.bench.belady import belady
 from moetier.bench.measure import ConfigRun, run_budget
 from moetier.bench.routing_override import make_source
 from moetier.errors import BudgetError
+from moetier.weights.gguf import is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +172,11 @@ def run_latency(
     `on_partial` gets the result before the (slow) baselines run, so a run killed during them
     still leaves moetier's numbers behind.
     """
-    from transformers import AutoConfig
-
     from moetier.bench.bandwidth import measure_link
+    from moetier.engine.model_runner import load_model_config
 
     path = resolve_model(s)
-    config = AutoConfig.from_pretrained(str(path))
+    config = load_model_config(Path(path))
     geo = model_geometry(config)
     device = resolve_device(s.device)
     numel = 3 * geo["hidden"] * geo["intermediate"]
@@ -187,6 +187,10 @@ def run_latency(
         if device.type == "cuda"
         else numel * _DTYPE_BYTES.get(str(getattr(config, "dtype", None) or "bfloat16"), 2)
     )
+    if device.type != "cuda" and is_gguf(path):  # read as stored: the GGUF blocks' bytes
+        from moetier.weights.gguf import open_gguf
+
+        link_bytes = open_gguf(path)[2].packing(torch.float32).nbytes
     link = measure_link(device, link_bytes, path)
     link["link_bytes_per_miss"] = link_bytes
     budgets = ["100%"] + [b for b in map(normalize_budget, s.budgets) if b != "100%"]

@@ -337,13 +337,11 @@ def _settings(
 
 def _resolved(model: str, device: str, dtype: str) -> tuple[str, str, dict[str, Any]]:
     """Device and dtype as `moetier serve` resolves them here, and one routed expert's bytes."""
-    from transformers import AutoConfig
-
     from moetier.bench.latency import model_geometry
-    from moetier.engine.model_runner import resolve_device, resolve_dtype
+    from moetier.engine.model_runner import load_model_config, resolve_device, resolve_dtype
 
     try:
-        config = AutoConfig.from_pretrained(model)
+        config = load_model_config(Path(model))
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, config, dev)
         geo = model_geometry(config)

@@ -97,6 +97,15 @@ def load_hf_config(model_dir: Path) -> Any:
         ) from exc
 
 
+def load_model_config(path: Path) -> Any:
+    """The HF config of a model directory or a GGUF file (its metadata), nothing else read."""
+    if is_gguf(path):
+        from moetier.weights.gguf import GGUFModel
+
+        return GGUFModel(path).config
+    return load_hf_config(path)
+
+
 def open_model(path: Path) -> tuple[Any, Family, Checkpoint, ExpertLayout]:
     """(HF config, family, checkpoint, expert layout) of a Hugging Face model directory or a
     GGUF file (weights/gguf.py: experts kept in their GGUF block types)."""
