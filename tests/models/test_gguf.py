@@ -270,6 +270,10 @@ def test_missing_or_truncated_file(files: Any, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"nothere\.gguf: no such file"):
         LLM(str(tmp_path / "nothere.gguf"), device="cpu", progress=False)
     path, _ = files["mixtral-q8_0"]
+    with pytest.raises(
+        CheckpointError, match=r"no config\.json.*pass its path, e\.g\. .*model\.gguf"
+    ):
+        LLM(str(path.parent), device="cpu", progress=False)  # the directory holding the file
     cut = tmp_path / "cut.gguf"
     data = path.read_bytes()
     cut.write_bytes(data[: len(data) - 1000])

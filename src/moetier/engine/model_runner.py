@@ -84,8 +84,10 @@ def load_hf_config(model_dir: Path) -> Any:
             f"{model_dir}: not a directory; pass a Hugging Face model directory or a .gguf file"
         )
     if not (model_dir / "config.json").exists():
+        ggufs = sorted(p.name for p in model_dir.glob("*.gguf"))
+        hint = f"; to run a GGUF file pass its path, e.g. {model_dir / ggufs[0]}" if ggufs else ""
         raise CheckpointError(
-            f"{model_dir}: no config.json; is this a Hugging Face model directory?"
+            f"{model_dir}: no config.json; is this a Hugging Face model directory?{hint}"
         )
     from transformers import AutoConfig
 
