@@ -327,3 +327,15 @@ def test_gguf_file_copied_elsewhere_still_loads(files: Any, tmp_path: Path) -> N
     shutil.copy(path, alone)
     llm = LLM(str(alone), expert_budget="100%", device="cpu", dtype="float32", progress=False)
     assert moetier_greedy(llm, PROMPTS[:1], 8)[0] == hf_greedy(ref, PROMPTS[0], 8)
+
+
+def test_non_expert_types_the_gguf_package_reads(tmp_path: Path) -> None:
+    """Non-expert tensors in a type moetier has no codec for (Q4_0: some files' fallback where
+    rows are no whole K blocks) are dequantized by the gguf package at load."""
+    model = tiny_hf_model("mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=1)
+    path = tmp_path / "q4_0.gguf"
+    ref = reference_model(model, write_gguf(model, path, (T.Q8_0,) * 3, T.Q4_0))
+    reader = gguf.GGUFReader(path)
+    assert {t.tensor_type for t in reader.tensors if t.name == "blk.0.attn_q.weight"} == {T.Q4_0}
+    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="float32", progress=False)
+    assert moetier_greedy(llm, PROMPTS[:2], 8) == [hf_greedy(ref, p, 8) for p in PROMPTS[:2]]
