@@ -17,6 +17,10 @@ ascending expert id, take the victims in the policy's order, ties by ascending s
   global LRU pool a step whose experts exceed the pool evicts exactly what the next layers
   need (hit rate 0 at batch 16); the quota keeps each layer's most recent experts.
 
+The fills run on the compute stream before the layer's expert kernel: their time is inside the
+step's device time, and `exposed_fetch_s` (host-path copies waited for) stays 0 on this path;
+the bench's TPOT against its bound says what they cost.
+
 Requires that one layer's experts fit the pool (slots >= experts per layer), so any call,
 decode or prefill, resolves in one wave; the engine uses it only then (offload/builder.py).
 """
