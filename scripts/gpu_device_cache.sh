@@ -7,7 +7,7 @@
 #   3. Qwen3-30B-A3B (real depth unless LAYERS), trace routing, 25%: TPOT at batch 1 on the host
 #      path, with --device-cache (lru, then layer-lru), and batch BATCH (16) the same three;
 #   4. the FP8 synthetic of the same shape at 25% of bf16 bytes, host path and device cache.
-# Results under $OUT: gpu_tests.log, summary.md, device-cache-results.tar.gz, the log.
+# Results under $OUT: gpu_tests.log, gpu-junit.xml (scripts/compat_matrix.py --gpu-junit), summary.md, device-cache-results.tar.gz, the log.
 set -uo pipefail
 START=$SECONDS
 OUT=${OUT:-gpu-results}
@@ -21,10 +21,12 @@ TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
 LOG="$OUT/gpu_device_cache.log"
 TAG=gpu_device_cache
 source scripts/gpu_steps.sh
+source scripts/gpu_wheels.sh
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+  step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
+    --junitxml="$OUT/gpu-junit.xml" ${GPU_TESTS:-tests/gpu}
   cp "$WORK/gpu-tests.log" "$OUT/gpu_tests.log" 2>/dev/null
 fi
 if [ "${SKIP_FORMATS:-0}" != 1 ]; then
