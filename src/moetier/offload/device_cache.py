@@ -110,9 +110,14 @@ class DeviceCache:
         now = self.slot_of[keys]  # [E]
         self.clock += 1
         self.last_use.scatter_(0, torch.where(need, now, s), self.clock.expand(e))
-        src = torch.where(miss, self.host_row[keys], -1)
-        fill_slots(self.host_pool, self.pool, src, torch.where(miss, victim, -1))
-        self.counters += torch.stack([hit.sum(), miss.sum(), evict.sum()])
+        # the fill's rows: at most min(T*K, E) misses, first (ascending expert) in a fixed-size
+        # list, so the kernel launches programs for them alone, not for every expert
+        m = min(ids.numel(), e)
+        first = torch.argsort((~miss).to(torch.uint8), stable=True)[:m]  # [m]
+        fills = miss[first]
+        src = torch.where(fills, self.host_row[keys[first]], -1)
+        fill_slots(self.host_pool, self.pool, src, torch.where(fills, victim[first], -1))
+        self.counters += torch.stack([hit, miss, evict]).sum(dim=1)
         return now[ids].to(torch.int32)
 
     def _score(self, layer: int, miss: torch.Tensor) -> torch.Tensor:
