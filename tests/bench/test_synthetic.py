@@ -41,7 +41,11 @@ def test_deepseek_v2_lite_details() -> None:
     )
 
 
-@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-deepseek-v2", "tiny-mixtral"])
+TINY = ["tiny-qwen3", "tiny-deepseek-v2", "tiny-mixtral"]
+TINY_2026 = ["tiny-qwen3.5-moe", "tiny-gemma4", "tiny-glm4-moe"]
+
+
+@pytest.mark.parametrize("shape", TINY + TINY_2026)
 def test_transformers_and_moetier_agree(shape: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -57,6 +61,124 @@ def test_transformers_and_moetier_agree(shape: str) -> None:
     llm = LLM(str(path), expert_budget="50%", progress=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == out[0, 6:].tolist()
+
+
+@pytest.mark.parametrize(
+    "shape,experts_at,moe_layers",
+    [
+        ("tiny-qwen3.5-moe", "model.layers.{}.mlp.experts", [0, 1, 2, 3]),
+        ("tiny-gemma4", "model.layers.{}.experts", [0, 1, 2, 3, 4, 5]),
+        ("tiny-glm4-moe", "model.layers.{}.mlp.experts", [1, 2]),
+    ],
+)
+def test_2026_tiny_shapes_run_in_moetier(
+    shape: str, experts_at: str, moe_layers: list[int]
+) -> None:
+    """The fused experts sit where the family's loader reads them, every MoE layer's 16 experts
+    are tiered, and greedy tokens at 25 % of the experts equal those with all resident."""
+    import json
+
+    from moetier import LLM, SamplingParams
+
+    path = ensure_synthetic(shape, None, seed=1)
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    fused = {n.rsplit(".", 1)[0] for n in names if n.endswith("experts.gate_up_proj")}
+    assert fused == {experts_at.format(i) for i in moe_layers}
+    assert ("lm_head.weight" in names) == (shape != "tiny-gemma4")  # Gemma 4's head is tied
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for budget in (None, "25%"):
+        llm = LLM(str(path), expert_budget=budget, device="cpu", progress=False)
+        stats = llm.offload_stats()
+        assert stats["total_experts"] == 16 * len(moe_layers)
+        assert stats["expert_bytes"] == 3 * 64 * 32 * 4  # hidden 64, intermediate 32, float32
+        tokens.append(llm.generate([[5, 77, 301, 9, 42, 7]], params)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+# The 2026 families' published sizes (synthetic.py says where each comes from): (shape, layers,
+# MoE layers, experts, top-k, hidden D, expert intermediate I).
+FAMILIES_2026 = [
+    ("qwen3.6-35b-a3b", 40, 40, 256, 8, 2048, 512),
+    ("gemma-4-26b-a4b", 30, 30, 128, 8, 2816, 704),
+    ("glm-4.5-air", 46, 45, 128, 8, 4096, 1408),
+]
+
+
+@pytest.mark.parametrize("shape,layers,moe_layers,experts,top_k,d,i", FAMILIES_2026)
+def test_2026_shapes_have_the_published_sizes(
+    shape: str, layers: int, moe_layers: int, experts: int, top_k: int, d: int, i: int
+) -> None:
+    """Experts, top-k and depth of the config the writer builds, and the routed experts'
+    tensors it writes: fused [E, 2I, D] + [E, D, I], 3 * D * I bf16 values an expert."""
+    from moetier.bench.synthetic import DEFAULT_LAYERS, checkpoint_plan
+
+    c = shape_config(shape, DEFAULT_LAYERS[shape])
+    e = getattr(c, "num_experts", None) or c.n_routed_experts
+    k = getattr(c, "top_k_experts", None) or c.num_experts_per_tok
+    assert (c.num_hidden_layers, e, k) == (layers, experts, top_k)
+    assert (c.hidden_size, c.moe_intermediate_size) == (d, i)
+    _, plan = checkpoint_plan(c)
+    gate_up = {n: s for n, s in plan.items() if n.endswith("experts.gate_up_proj")}
+    down = {n: s for n, s in plan.items() if n.endswith("experts.down_proj")}
+    assert len(gate_up) == len(down) == moe_layers
+    assert set(gate_up.values()) == {torch.Size([experts, 2 * i, d])}
+    assert set(down.values()) == {torch.Size([experts, d, i])}
+    per_expert = sum(s.numel() for s in [*gate_up.values(), *down.values()]) // (
+        moe_layers * experts
+    )
+    assert per_expert * 2 == 3 * d * i * 2
+
+
+# bf16 bytes of one routed expert and of all of them (MoE layers x experts x bytes), as the
+# products of the published dimensions.
+ROUTED_BF16 = [
+    ("qwen3.6-35b-a3b", 6_291_456, 64_424_509_440),
+    ("gemma-4-26b-a4b", 11_894_784, 45_675_970_560),
+    ("glm-4.5-air", 34_603_008, 199_313_326_080),
+]
+
+
+@pytest.mark.parametrize("shape,expert_bytes,routed_bytes", ROUTED_BF16)
+def test_2026_shapes_routed_bytes(shape: str, expert_bytes: int, routed_bytes: int) -> None:
+    from moetier.bench.synthetic import DEFAULT_LAYERS
+
+    row = next(r for r in FAMILIES_2026 if r[0] == shape)
+    _, _, moe_layers, experts, _, d, i = row
+    assert expert_bytes == 3 * d * i * 2
+    assert routed_bytes == moe_layers * experts * expert_bytes
+    # what `bench latency` and `bench serve` count a miss as (bf16 on the GPU)
+    geo = model_geometry(shape_config(shape, DEFAULT_LAYERS[shape]))
+    assert (geo["num_experts"], geo["top_k"]) == (experts, row[4])
+    assert 3 * geo["hidden"] * geo["intermediate"] * 2 == expert_bytes
+
+
+def test_2026_shape_details() -> None:
+    """What distinguishes each family's layers, at the released sizes."""
+    q = shape_config("qwen3.6-35b-a3b", 40)
+    full = [n for n, t in enumerate(q.layer_types) if t == "full_attention"]
+    assert full == list(range(3, 40, 4))
+    linear = (q.linear_num_key_heads, q.linear_num_value_heads, q.linear_key_head_dim)
+    assert linear == (16, 32, 128) and q.linear_value_head_dim == 128
+    assert (q.num_attention_heads, q.num_key_value_heads, q.head_dim) == (16, 2, 256)
+    assert (q.shared_expert_intermediate_size, q.vocab_size) == (512, 248320)
+    assert q.rope_parameters["mrope_section"] == [11, 11, 10]
+    g = shape_config("gemma-4-26b-a4b", 30)
+    assert [n for n, t in enumerate(g.layer_types) if t == "full_attention"] == [5, 11, 17, 23, 29]
+    local, glob = g.per_layer_config[0], g.per_layer_config[5]  # sliding, full
+    assert (local.head_dim, local.num_key_value_heads, g.num_attention_heads) == (256, 8, 16)
+    assert (glob.head_dim, glob.num_key_value_heads, g.attention_k_eq_v) == (512, 2, True)
+    assert (g.intermediate_size, g.sliding_window) == (2112, 1024)
+    assert (g.hidden_activation, g.final_logit_softcapping, g.vocab_size) == (
+        "gelu_pytorch_tanh",
+        30.0,
+        262144,
+    )
+    assert g.enable_moe_block and not g.hidden_size_per_layer_input and g.tie_word_embeddings
+    a = shape_config("glm-4.5-air", 46)
+    assert (a.first_k_dense_replace, a.n_shared_experts, a.intermediate_size) == (1, 1, 10944)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (96, 8, 128)
+    assert (a.attention_bias, a.vocab_size) == (True, 151552)
 
 
 def test_fp8_synthetic_is_read_as_stored() -> None:

@@ -96,9 +96,11 @@ def model_geometry(config: Any) -> dict[str, int]:
 
         raise ConfigError("the model config names no routed-expert count: is it an MoE model?")
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    # Gemma 4 names its top-k top_k_experts (the loader copies it; this reads the raw config)
+    top_k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts
     return dict(
         num_experts=int(e),
-        top_k=int(config.num_experts_per_tok),
+        top_k=int(top_k),
         hidden=int(config.hidden_size),
         intermediate=int(inter),
         num_layers=int(config.num_hidden_layers),

@@ -6,6 +6,9 @@ does not measure anything beyond the small legacy decode benchmark at the bottom
 
 The gpt-oss shapes store their experts in MXFP4 as the released checkpoints do (random block
 bytes, scales that give bf16-like magnitudes; `quantization_config.quant_method: mxfp4`).
+Multimodal releases (Qwen3.6, Gemma 4) are written as their text model alone, the CausalLM
+class moetier loads (`Qwen3_5MoeForCausalLM`, `Gemma4ForCausalLM`): same layers and tensor
+shapes, without the `model.language_model.` prefix and the vision tower.
 
 Random weights give near-random routing: results measure the transfer path under uniform
 expert demand, not real-text locality. Say so beside any number this produces. Deep random
@@ -15,6 +18,7 @@ routing override (`--routing uniform` or `trace:PATH`) on them.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -74,11 +78,119 @@ MXFP4_QUANTIZATION = {
 }
 MXFP4_SHAPES = {"gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"}
 
+# Qwen3.6-35B-A3B's language model (`qwen3_5_moe_text`, Qwen3_5MoeForCausalLM; the release is
+# the multimodal Qwen3_5MoeForConditionalGeneration, whose text_config this is; Qwen3.6-35B-A3B
+# has Qwen3.5-35B-A3B's architecture and sizes). Sizes: transformers 5.25 Qwen3_5MoeTextConfig's
+# defaults, documented there as Qwen/Qwen3.5-35B-A3B: hidden 2048; 16 query / 2 KV heads of
+# 256 (output-gated); Gated DeltaNet with 16 key / 32 value heads of 128, conv kernel 4; every
+# layer MoE, 256 experts top-8 of intermediate 512 plus one sigmoid-gated shared expert of 512;
+# vocab 248320, untied head; layer_types from the class's full_attention_interval 4 (3 linear :
+# 1 full). Written out so a transformers default change cannot move them. Rope and context
+# (theta 1e7, 25 % of head_dim rotated, interleaved mrope [11, 11, 10]; 262144 positions) are the
+# published Qwen3.5 / Qwen3.6 config.json's, where the class defaults differ (1e4; 32768).
+# 40 layers: DEFAULT_LAYERS.
+_QWEN3_6_ROPE: dict[str, Any] = dict(
+    rope_type="default",
+    rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25,
+    mrope_section=[11, 11, 10],
+    mrope_interleaved=True,
+)
+_QWEN3_6_35B = dict(
+    model_type="qwen3_5_moe_text",
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    vocab_size=248320,
+    tie_word_embeddings=False,
+    max_position_embeddings=262144,
+    rope_parameters=_QWEN3_6_ROPE,
+)
+
+# Gemma-4-26B-A4B's text model (`gemma4_text`, Gemma4ForCausalLM with enable_moe_block; the
+# release is the multimodal Gemma4ForConditionalGeneration, whose text_config this is). In
+# transformers 5.25 Gemma4TextConfig's defaults are gemma-4-e2b's, so only family-wide values come
+# from them: vocab 262144, sliding head_dim 256, gelu_pytorch_tanh, the 5:1 sliding/full layer
+# pattern (last layer full), rope (sliding: default, theta 1e4; full: proportional, theta 1e6,
+# 25 % rotated), tied embeddings. The 26B-A4B's own sizes are its published config.json's (no
+# copy ships with transformers; they agree across public parsers' copies of it, and its EP-plan
+# comment names the 2 global KV heads): hidden 2816; a dense GeGLU MLP of 2112 beside 128 routed
+# experts top-8 of 704 (per-expert router scale) in every layer; 16 query heads, 8 KV heads on
+# sliding layers (window 1024), 2 KV heads of 512 (global_head_dim) with values from the keys
+# on full layers; final logit soft-cap 30; 262144 positions; no per-layer embeddings or KV
+# sharing. 30 layers: DEFAULT_LAYERS.
+_GEMMA4_26B = dict(
+    model_type="gemma4_text",
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+    vocab_size=262144,
+    tie_word_embeddings=True,
+    max_position_embeddings=262144,
+)
+
+# GLM-4.5-Air (`glm4_moe`, Glm4MoeForCausalLM): transformers 5.25 Glm4MoeConfig's defaults
+# ("GLM-4-MOE-100B-A10B style", i.e. GLM-4.5-Air), which match the published config.json:
+# hidden 4096; 96 query / 8 KV heads; layer 0 dense (intermediate 10944), then 128 routed experts
+# top-8 of 1408 + 1 shared expert (sigmoid router, 1 group, renormalized, scaling 1.0); vocab
+# 151552; 131072 positions; rope theta 1e4 on half of each head (the class's
+# partial_rotary_factor 0.5). Published but not class defaults: head_dim 128 (the class would
+# take hidden / heads) and q/k/v bias. No MTP layer (model.layers.46 in the release): the
+# transformers model has none and moetier never runs it. 46 layers: DEFAULT_LAYERS.
+_GLM45_AIR = dict(
+    model_type="glm4_moe",
+    hidden_size=4096,
+    intermediate_size=10944,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    attention_bias=True,
+    use_qk_norm=False,
+    first_k_dense_replace=1,
+    n_routed_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1408,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    vocab_size=151552,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+)
+
 # name: HF config of the shape (without num_hidden_layers); DEFAULT_LAYERS gives the real depth.
 SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": dict(_GPT_OSS, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_local_experts=128),
     "qwen3-30b-a3b": _QWEN3_30B,
+    "qwen3.6-35b-a3b": _QWEN3_6_35B,
+    "gemma-4-26b-a4b": _GEMMA4_26B,
+    "glm-4.5-air": _GLM45_AIR,
     "deepseek-v2-lite": dict(
         model_type="deepseek_v2",
         hidden_size=2048,
@@ -191,6 +303,60 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
+    # Each family's layer kinds at toy widths: layers 0-2 Gated DeltaNet, 3 full attention;
+    # sizes as the real shape's where they shape the code path (value heads twice the key heads,
+    # one shared expert as wide as a routed one).
+    "tiny-qwen3.5-moe": dict(
+        _QWEN3_6_35B,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        vocab_size=512,
+        max_position_embeddings=512,
+        rope_parameters=dict(_QWEN3_6_ROPE, mrope_section=[1, 1, 0]),  # 2 rotated pairs
+    ),
+    # Layers 0-4 sliding (window 4 < the tests' prompts), 5 full with its own head_dim and KV
+    # heads and values from the keys; dense MLP beside 16 experts top-4; soft-capped logits.
+    "tiny-gemma4": dict(
+        _GEMMA4_26B,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        num_experts=16,
+        top_k_experts=4,
+        moe_intermediate_size=32,
+        sliding_window=4,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
+    # Layer 0 dense, then 16 experts top-4 + a shared one; head_dim 24 != hidden / heads, half
+    # of it rotated; q/k/v bias.
+    "tiny-glm4-moe": dict(
+        _GLM45_AIR,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
     "tiny-gpt-oss": dict(
         model_type="gpt_oss",
         hidden_size=64,
@@ -210,6 +376,9 @@ DEFAULT_LAYERS = {
     "gpt-oss-120b": 36,
     "tiny-gpt-oss": 2,
     "qwen3-30b-a3b": 48,
+    "qwen3.6-35b-a3b": 40,
+    "gemma-4-26b-a4b": 30,
+    "glm-4.5-air": 46,
     "deepseek-v2-lite": 27,
     "mixtral-8x7b": 32,
     "olmoe-1b-7b": 16,
@@ -217,8 +386,14 @@ DEFAULT_LAYERS = {
     "tiny-qwen3-k": 2,
     "tiny-deepseek-v2": 3,
     "tiny-mixtral": 2,
+    "tiny-qwen3.5-moe": 4,
+    "tiny-gemma4": 6,
+    "tiny-glm4-moe": 3,
 }
 MARKER = "synthetic-complete.json"
+# Multiplicative scales filled with ones, as HF initializes them (Gemma 4's per-layer output
+# scalar and router scales): random ones would flip signs and compound over the layers.
+_ONES = (".layer_scalar", ".router.scale", ".router.per_expert_scale")
 _CPU_POOL = 1_000_003  # prime: tiled pool slices never align with expert or row boundaries
 
 
@@ -254,10 +429,28 @@ def shape_config(shape: str, num_layers: int) -> Any:
         from moetier.errors import ConfigError
 
         raise ConfigError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
-    spec = dict(SHAPES[shape])
+    spec = copy.deepcopy(SHAPES[shape])  # the config may edit nested dicts (rope_parameters)
     config = AutoConfig.for_model(spec.pop("model_type"), num_hidden_layers=num_layers, **spec)
     config.dtype = "bfloat16"
     return config
+
+
+def checkpoint_plan(config: Any) -> tuple[str, dict[str, torch.Size]]:
+    """(CausalLM class name, {tensor name: shape}) of the bf16 checkpoint `write_synthetic`
+    writes for `config`: the transformers model's state dict, built on the meta device (routed
+    experts fused: `experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]). A tied LM
+    head is left out, as save_pretrained leaves it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    plan = {
+        name: p.shape
+        for name, p in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    return type(model).__name__, plan
 
 
 def _mxfp4_experts(filler: _Filler, name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
@@ -295,7 +488,7 @@ class _Filler:
         )
 
     def __call__(self, name: str, shape: torch.Size) -> torch.Tensor:
-        if "norm" in name:
+        if "norm" in name or name.endswith(_ONES):
             return torch.ones(shape, dtype=torch.bfloat16)
         scale = 1.0 / max(shape[-1] if len(shape) else 1, 1) ** 0.5
         numel = shape.numel()
@@ -347,12 +540,9 @@ def write_synthetic(
     if fmt in GGUF_FORMATS:
         path.mkdir(parents=True, exist_ok=True)
         return write_synthetic_gguf(path / GGUF_FILE, shape, num_layers, seed, device, fmt)
-    from transformers import AutoModelForCausalLM
-
     config = shape_config(shape, num_layers)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    config.architectures = [type(model).__name__]
+    architecture, plan = checkpoint_plan(config)
+    config.architectures = [architecture]
     if fmt == "fp8":
         config.quantization_config = {
             "quant_method": "fp8",
@@ -375,8 +565,8 @@ def write_synthetic(
         return {name: filler(name, shape).contiguous()}
 
     groups: dict[str, dict[str, torch.Size]] = {}
-    for name, p in model.state_dict().items():
-        groups.setdefault(_shard_of(name), {})[name] = p.shape
+    for name, size in plan.items():
+        groups.setdefault(_shard_of(name), {})[name] = size
     done: queue.Queue[tuple[str, dict[str, torch.Tensor]] | None] = queue.Queue(maxsize=1)
     errors: list[BaseException] = []
 
