@@ -49,6 +49,11 @@ def randomize(model: torch.nn.Module) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
             elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (HF: 1)
                 b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing table (HF: zeros)
+                vocab, k = b.shape
+                experts = int(model.config.n_routed_experts)
+                rows = [torch.randperm(experts, generator=g)[:k] for _ in range(vocab)]
+                b.copy_(torch.stack(rows))  # k distinct experts per token id
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
