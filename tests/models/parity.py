@@ -118,13 +118,14 @@ def top_k(cfg: dict[str, Any]) -> int:
 
 
 # Families whose experts' math the MoE kernels do not compute, whatever hidden_act says.
-LOOP_ONLY_MODEL_TYPES = ("gpt_oss",)
+LOOP_ONLY_MODEL_TYPES = ("gpt_oss", "deepseek_v4")
 
 
 def moe_kernels_apply(path: Path) -> bool:
     """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
     silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so
-    do gpt-oss's biased experts with their clamped SwiGLU (its config says silu)."""
+    do gpt-oss's biased experts and DeepSeek-V4's experts with their clamped SwiGLUs (their
+    configs say silu)."""
     cfg = text_config(path)
     if cfg.get("model_type") in LOOP_ONLY_MODEL_TYPES:
         return False

@@ -62,6 +62,9 @@ class V4MoE(MoEBlock):
         self.hashed, self.limit = hashed, float(config.swiglu_limit)
         self.shared_experts = ClampedMLP(config.hidden_size, inter, config.hidden_act, self.limit)
         self.topk_sum = True
+        # Not plain silu: the kernels' SwiGLU has no clamp, so the device cache (which computes
+        # with them) refuses this block by its activation name (model_runner.py).
+        self.act_name = "clamped_silu"
 
     @property
     def slot_kernel_max_pairs(self) -> int:
