@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from moetier import LLM
 from moetier.engine.kv_cache import kv_layout
 from tests.models.families import FAMILIES
-from tests.models.parity import hf_greedy, hf_model, min_budget, moetier_greedy
+from tests.models.parity import check_parity, hf_greedy, hf_model, min_budget, moetier_greedy
 
 V4 = FAMILIES["deepseek_v4"]
 NEW = 16
@@ -130,3 +130,12 @@ def test_kv_row_per_attention_kind(ckpt: Path) -> None:
     widths = {layer: spec.k for layer, spec in layout.items()}
     assert widths == {0: (1, d), 1: (1, 5 * d + 4 * di), 2: (1, 3 * d), 3: (1, 5 * d + 4 * di)}
     assert all(spec.v is None for spec in layout.values())
+
+
+def test_gate_lookahead_prefetch_skips_hash_layers(ckpt: Path) -> None:
+    """The next layer's router on this layer's hidden state: a hash router cannot route one
+    (it needs token ids), so hash layers get no prediction; learned ones do, exactly."""
+    expert = 3 * V4.tiny["hidden_size"] * V4.tiny["moe_intermediate_size"] * 4
+    three_waves = f"{3 * V4.tiny['num_experts_per_tok'] * expert}B"
+    stats = check_parity(ckpt, three_waves, prefetch="gate-lookahead")
+    assert stats["prefetches_issued"] > 0 and stats["disk_reads"] > 0

@@ -66,6 +66,7 @@ class V4HashRouter(_V4Router):
     """Experts fixed per token id (`tid2eid[token]`); the gate only weighs them."""
 
     tid2eid: torch.Tensor
+    needs_token_ids = True  # offload/predict.py: gate-lookahead skips this router
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -79,7 +80,7 @@ class V4HashRouter(_V4Router):
         if input_ids is None:
             raise UnsupportedModelError(
                 "a DeepSeek-V4 hash-routed layer needs the step's token ids; this caller "
-                "(e.g. the gate-lookahead predictor) routes from hidden states only"
+                "routes from hidden states only"
             )
         scores = self.score(F.linear(x, self.weight))  # [T, E]
         ids = self.tid2eid[input_ids].long()  # [T, K]
