@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from moetier import LLM
 from moetier.engine.kv_cache import kv_layout
+from moetier.errors import UnsupportedModelError
+from moetier.models.deepseek_v4 import check_config
 from tests.models.families import FAMILIES
 from tests.models.parity import check_parity, hf_greedy, hf_model, min_budget, moetier_greedy
 
@@ -139,3 +141,12 @@ def test_gate_lookahead_prefetch_skips_hash_layers(ckpt: Path) -> None:
     three_waves = f"{3 * V4.tiny['num_experts_per_tok'] * expert}B"
     stats = check_parity(ckpt, three_waves, prefetch="gate-lookahead")
     assert stats["prefetches_issued"] > 0 and stats["disk_reads"] > 0
+
+
+def test_quantized_checkpoints_are_refused(ckpt: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt)
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(UnsupportedModelError, match="quantization_config"):
+        check_config(config)

@@ -161,6 +161,11 @@ def check_config(config: Any) -> None:
                 f"DeepSeek-V4: config.json {name} must name one of {kinds} per layer ({n} "
                 f"layers), got {types}"
             )
+    if getattr(config, "quantization_config", None) is not None:
+        raise UnsupportedModelError(
+            "DeepSeek-V4 checkpoints with a quantization_config (the released FP8/FP4 ones) are "
+            "not supported: moetier reads V4 in float32/bfloat16/float16 as transformers saves it"
+        )
     if getattr(config, "mlp_bias", False) or getattr(config, "attention_bias", False):
         raise UnsupportedModelError(
             "DeepSeek-V4 checkpoints with mlp_bias/attention_bias are "
