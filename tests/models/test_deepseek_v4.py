@@ -2,7 +2,8 @@
 HCA windows, the indexer choosing among them) batched with short ones at every expert budget,
 chunked prefill splitting windows across steps, preemption recomputing from token 0, prefix
 caching on (the cached rows rebuild the same compressed entries), hash-routed layers using
-exactly `tid2eid[token]`, and the per-token KV row of each attention kind."""
+exactly `tid2eid[token]`, bfloat16 (transformers keeps norms, mHC weights, sinks and gate biases
+in float32; so do we), and the per-token KV row of each attention kind."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moetier import LLM
 from moetier.engine.kv_cache import kv_layout
 from moetier.errors import UnsupportedModelError
 from moetier.models.deepseek_v4 import check_config
 from tests.models.families import FAMILIES
-from tests.models.parity import check_parity, hf_greedy, hf_model, min_budget, moetier_greedy
+from tests.models.parity import (
+    check_parity,
+    hf_greedy,
+    hf_last_logits,
+    hf_model,
+    min_budget,
+    moetier_greedy,
+)
 
 V4 = FAMILIES["deepseek_v4"]
 NEW = 16
@@ -150,3 +158,19 @@ def test_quantized_checkpoints_are_refused(ckpt: Path) -> None:
     config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(UnsupportedModelError, match="quantization_config"):
         check_config(config)
+
+
+def test_parity_in_bfloat16(tmp_path: Path) -> None:
+    """The recipe stored and computed in bfloat16: the same tokens, logits within 1e-2 (they
+    come out equal: the float32 sinks promote each softmax row to float32 as in HF)."""
+    path = V4.checkpoint(tmp_path / "bf16", seed=6)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_model(path, torch.bfloat16)
+    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="bfloat16", progress=False)
+    for prompt, tokens in zip(MIXED, moetier_greedy(llm, MIXED, NEW)):
+        assert tokens == hf_greedy(ref, prompt, NEW), f"token mismatch for {len(prompt)} tokens"
+        torch.testing.assert_close(
+            llm.prompt_logits(prompt), hf_last_logits(ref, prompt), rtol=1e-2, atol=1e-2
+        )

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import UnsupportedModelError
-from moetier.layers.attention import _sink_attention
 from moetier.layers.context import ForwardContext
 from moetier.layers.hyper_connection import unweighted_rms
 from moetier.layers.kv_compressor import Compressor, Indexer, rope_table, rope_tail
@@ -136,10 +136,32 @@ class CompressedAttention(nn.Module):
                 )
             keys = torch.cat([keys, entries], dim=0)
             mask = torch.cat([mask, visible], dim=-1)
-        qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        kv = keys[None, None]  # [1, 1, K (+W), d]
-        o = _sink_attention(qs, kv, kv, mask, hd**-0.5, self.attn_sink)  # [1, H, n, d]
-        return o[0].transpose(0, 1)
+        step = max(1, _LOGITS // (self.heads * keys.shape[0]))
+        return torch.cat(
+            [
+                sink_attention(q[a : a + step], keys, mask[a : a + step], self.attn_sink)
+                for a in range(0, n, step)
+            ]
+        )
+
+
+_LOGITS = 1 << 26  # logits of one query chunk (256 MiB in float32): rows are independent
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [n, H, d] over keys [K, d] (= values, one shared head), bool mask [n, K], float32
+    sinks [H] -> [n, H, d]. HF's eager order: logits in q's dtype, masked, the float32 sink
+    column appended (promoting the row to float32, as torch.cat does in HF), the row max
+    subtracted, softmax, the sink dropped, probabilities cast back for the value product."""
+    logits = torch.matmul(q.transpose(0, 1), keys.t()) * q.shape[-1] ** -0.5  # [H, n, K]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.view(-1, 1, 1).expand(-1, q.shape[0], 1)  # [H, n, 1]
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)  # [n, H, d]
 
 
 def _history(ctx: ForwardContext, i: int) -> torch.Tensor:
