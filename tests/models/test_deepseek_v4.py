@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from moetier import LLM
 from moetier.engine.kv_cache import kv_layout
-from moetier.errors import UnsupportedModelError
+from moetier.errors import ConfigError, UnsupportedModelError
 from moetier.models.deepseek_v4 import check_config
 from tests.models.families import FAMILIES
 from tests.models.parity import (
@@ -174,3 +174,9 @@ def test_parity_in_bfloat16(tmp_path: Path) -> None:
         torch.testing.assert_close(
             llm.prompt_logits(prompt), hf_last_logits(ref, prompt), rtol=1e-2, atol=1e-2
         )
+
+
+def test_device_cache_is_refused(ckpt: Path) -> None:
+    """The device cache computes with the expert kernels, whose SwiGLU has no clamp."""
+    with pytest.raises(ConfigError, match="activation the expert kernels do not fuse"):
+        _llm(ckpt, "50%", host_budget="100%", moe_grouped_kernel=True, device_cache=True)
