@@ -6,8 +6,10 @@ Owns the projections (named as on disk: wq_a, q_norm, wq_b, wkv, norm, wo_a, wo_
 compressor.*, indexer.*) and how its per-token state maps onto the paged KV cache: each token's
 row holds its rotated key (= value) and, for compressed layers, the raw compressor (and indexer)
 projections, one shared head of `row_width` channels (`kv_keys_shape`). The whole history stays
-cached; a step reads a sequence's rows, attends to the last `sliding_window` keys and rebuilds
-the compressed entries closed so far (layers/kv_compressor.py). The rows are a function of the
+cached; a step reads a sequence's rows (a sliding layer's last `sliding_window` only), attends
+to the keys in the window and rebuilds the compressed entries closed so far
+(layers/kv_compressor.py), which the query sees if closed by its position (HCA) and, for CSA,
+picked by the indexer. The rows are a function of the
 token prefix alone, so prefix caching, chunked prefill and preemption are exact; the cost is a
 wider row than the sliding keys and entries alone would need, and rebuilding entries each step.
 Mirrors transformers' DeepseekV4Attention (eager, its only implementation).
@@ -35,6 +37,9 @@ LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_comp
 
 
 class CompressedAttention(nn.Module):
+    """One layer's attention of kind `LAYER_KINDS[i]`: sliding only, or with an HCA / CSA
+    compressor (CSA with its indexer)."""
+
     attn_sink: torch.Tensor
 
     def __init__(self, config: Any, layer: int, kind: str) -> None:
@@ -72,10 +77,8 @@ class CompressedAttention(nn.Module):
         parts += [self.compressor.width] if self.compressor is not None else []
         parts += [self.indexer.compressor.width] if self.indexer is not None else []
         self.row_parts = parts
-        self.kv_keys_shape: tuple[int, int] = (
-            1,
-            sum(parts),
-        )  # engine/kv_cache.py: keys only, one head
+        # the row's width, as one shared head of keys only (engine/kv_cache.py kv_layout)
+        self.kv_keys_shape: tuple[int, int] = (1, sum(parts))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -96,7 +99,10 @@ class CompressedAttention(nn.Module):
         out = q.new_empty(t, self.heads, hd)
         for i, span in enumerate(ctx.spans):
             s = slice(span.start, span.end)
-            rows = ctx.kv.read(self.layer, _history(ctx, i), x.dtype)[0][:, 0]  # [L, F]
+            # a sliding layer needs its window only; a compressed one every row (its entries)
+            first = 0 if self.compressor is not None else max(0, span.past - self.window + 1)
+            slots = _history(ctx, i)[first:]
+            rows = ctx.kv.read(self.layer, slots, x.dtype)[0][:, 0]  # [L - first, F]
             out[s] = self._attend(q[s], x[s], q_residual[s], cos[s], sin[s], rows, span.past)
         # K = V carried rope into the output: rotate back by the query's position
         out = rope_tail(out, cos[:, None], -sin[:, None])
@@ -116,12 +122,14 @@ class CompressedAttention(nn.Module):
         past: int,
     ) -> torch.Tensor:
         """One sequence's n queries q [n, H, d] at positions past .. past+n-1 over its cached
-        rows [L, F] (L = past + n) -> [n, H, d]."""
-        n, total, hd = q.shape[0], rows.shape[0], self.head_dim
+        rows (the last rows.shape[0] of its L = past + n tokens; all of them for a compressed
+        layer) -> [n, H, d]."""
+        n, total, hd = q.shape[0], past + q.shape[0], self.head_dim
+        base = total - rows.shape[0]  # the position of rows[0]
         first = max(0, past - self.window + 1)  # the earliest key any of these queries sees
-        qpos = torch.arange(past, past + n, device=q.device)[:, None]  # [n, 1]
+        qpos = torch.arange(past, total, device=q.device)[:, None]  # [n, 1]
         kpos = torch.arange(first, total, device=q.device)[None, :]  # [1, K]
-        keys = rows[first:, :hd]  # [K, d]
+        keys = rows[first - base :, :hd]  # [K, d]
         mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [n, K]
         comp = self.compressor
         windows = total // comp.rate if comp is not None else 0
