@@ -5,13 +5,13 @@ with per-head sinks, partial interleaved rope and a grouped low-rank output proj
 Owns the projections (named as on disk: wq_a, q_norm, wq_b, wkv, norm, wo_a, wo_b, attn_sink,
 compressor.*, indexer.*) and how its per-token state maps onto the paged KV cache: each token's
 row holds its rotated key (= value) and, for compressed layers, the raw compressor (and indexer)
-projections, one shared head of `row_width` channels (`kv_keys_shape`). The whole history stays
-cached; a step reads a sequence's rows (a sliding layer's last `sliding_window` only), attends
-to the keys in the window and rebuilds the compressed entries closed so far
-(layers/kv_compressor.py), which the query sees if closed by its position (HCA) and, for CSA,
-picked by the indexer. The rows are a function of the
-token prefix alone, so prefix caching, chunked prefill and preemption are exact; the cost is a
-wider row than the sliding keys and entries alone would need, and rebuilding entries each step.
+projections, as one shared head of keys (`kv_keys_shape`). The whole history stays cached; a
+step reads a sequence's rows (a sliding layer's last `sliding_window` only), attends to the keys
+in the window and rebuilds the compressed entries closed so far (layers/kv_compressor.py), each
+seen by the queries it closed before (HCA) and, for CSA, picked by the indexer. The rows are a
+function of the token prefix alone, so prefix caching, chunked prefill and preemption are exact;
+the cost is a wider row than the sliding keys and entries alone would need, and rebuilding the
+entries from the whole history each step.
 Mirrors transformers' DeepseekV4Attention (eager, its only implementation).
 """
 
