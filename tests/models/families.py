@@ -451,6 +451,69 @@ FAMILIES: dict[str, Family] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # DeepSeek-V4: hyper-connected residual streams (2), every layer MoE with a shared expert
+    # and clamped SwiGLU (always the per-expert loop); hash-routed layers 0-1 (tid2eid
+    # randomized), sqrtsoftplus top-k with correction bias after; attention over a sliding
+    # window (8 < the prompts + 32 new tokens) in layer 0, plus compressed entries: CSA (rate 4,
+    # overlapping windows, the indexer keeping 2 per query) in layers 1 and 3, HCA (rate 8) in
+    # layer 2; grouped output projection; yarn on the compress rope. Fused: three layers in
+    # another order, three streams, sigmoid scores, top-3, one hash layer, default rope.
+    "deepseek_v4": Family(
+        "deepseek_v4",
+        dict(
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=32,
+            partial_rotary_factor=0.25,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            index_n_heads=4,
+            index_head_dim=16,
+            index_topk=2,
+            sliding_window=8,
+            hc_mult=2,
+            hc_sinkhorn_iters=5,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        routed_experts=32,
+        host_case=("50%", "75%"),
+        host_rows=24,
+        main=dict(
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+            ),
+        ),
+        fused=dict(
+            num_hidden_layers=3,
+            layer_types=[
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+                "sliding_attention",
+            ],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            hc_mult=3,
+            scoring_func="sigmoid",
+            num_experts_per_tok=3,
+        ),
+    ),
 }
 
 # The smallest Mixtral (2 layers x 4 experts, top-2): exact tier counters and bad-input tests.

@@ -49,6 +49,11 @@ def randomize(model: torch.nn.Module) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
             elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (HF: 1)
                 b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=g))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing table (HF: zeros)
+                vocab, k = b.shape
+                experts = int(model.config.n_routed_experts)
+                rows = [torch.randperm(experts, generator=g)[:k] for _ in range(vocab)]
+                b.copy_(torch.stack(rows))  # k distinct experts per token id
 
 
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -113,13 +118,14 @@ def top_k(cfg: dict[str, Any]) -> int:
 
 
 # Families whose experts' math the MoE kernels do not compute, whatever hidden_act says.
-LOOP_ONLY_MODEL_TYPES = ("gpt_oss",)
+LOOP_ONLY_MODEL_TYPES = ("gpt_oss", "deepseek_v4")
 
 
 def moe_kernels_apply(path: Path) -> bool:
     """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
     silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so
-    do gpt-oss's biased experts with their clamped SwiGLU (its config says silu)."""
+    do gpt-oss's biased experts and DeepSeek-V4's experts with their clamped SwiGLUs (their
+    configs say silu)."""
     cfg = text_config(path)
     if cfg.get("model_type") in LOOP_ONLY_MODEL_TYPES:
         return False

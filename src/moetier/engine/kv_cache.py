@@ -148,6 +148,7 @@ class LayerKV:
 def kv_layout(model: torch.nn.Module) -> dict[int, LayerKV]:
     """Layer -> the K/V shapes its attention writes, read from the modules (no forward)."""
     from moetier.layers.attention import Attention
+    from moetier.layers.compressed_attention import CompressedAttention
     from moetier.layers.mla import MLAttention
 
     out: dict[int, LayerKV] = {}
@@ -160,6 +161,9 @@ def kv_layout(model: torch.nn.Module) -> dict[int, LayerKV]:
                 spec = LayerKV((1, m.kv_lora_rank + m.dr), None)
             else:
                 spec = LayerKV((m.n_heads, m.dq), (m.n_heads, m.dv))
+        elif isinstance(m, CompressedAttention):
+            # DeepSeek-V4: one row per token (its key and compressor projections), keys only
+            spec = LayerKV(m.kv_keys_shape, None)
         else:
             continue
         assert m.layer not in out, f"two attention modules write KV layer {m.layer}"
@@ -425,7 +429,6 @@ def _kv_fix(
         )
     if not fmt.scaled:
         text += (
-            ", or store it in int8 or fp8 (--kv-cache-dtype int8|fp8, about half the bytes of "
-            "bf16)"
+            ", or store it in int8 or fp8 (--kv-cache-dtype int8|fp8, about half the bytes of bf16)"
         )
     return lambda _free_total: text + "."

@@ -105,8 +105,10 @@ class MoEBlock(nn.Module):
             x, pool, slots, weights, inter, self.num_experts, experts=experts, layout=layout
         )
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)  # [T, K], [T, K]
+    def routed(self, x: torch.Tensor, *route_args: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]; `route_args` go to the router after x (DeepSeek-V4's hash
+        routers take the step's token ids)."""
+        ids, weights = self.gate(x, *route_args)  # [T, K], [T, K]
         if self.weights_dtype_cast:
             weights = weights.to(x.dtype)
         provider = self.provider

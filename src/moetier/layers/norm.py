@@ -50,3 +50,20 @@ class OffsetRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class Float32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays float32 whatever the model dtype (DeepSeek-V4, where HF keeps
+    every norm in float32): normalized in float32, scaled, then cast back to x's dtype."""
+
+    weight: torch.Tensor
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)

@@ -47,6 +47,7 @@ def _load_builtin() -> None:
     # Importing a family module registers it.
     from moetier.models import (  # noqa: F401
         deepseek,
+        deepseek_v4,
         gemma4,
         glm4_moe,
         gpt_oss,

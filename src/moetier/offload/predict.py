@@ -219,8 +219,12 @@ class GateLookaheadPredictor(Predictor):
 
     @classmethod
     def from_blocks(cls, blocks: Sequence[Any]) -> GateLookaheadPredictor:
-        """From MoE blocks (anything with `.layer` and a `.gate` router module)."""
-        return cls({int(b.layer): b.gate for b in blocks})
+        """From MoE blocks (anything with `.layer` and a `.gate` router module). A router that
+        routes by token id (`needs_token_ids`: DeepSeek-V4's hash layers) cannot route a hidden
+        state: its layer gets no prediction."""
+        return cls(
+            {int(b.layer): b.gate for b in blocks if not getattr(b.gate, "needs_token_ids", False)}
+        )
 
     def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
         router = self.routers.get(target)

@@ -1,0 +1,182 @@
+"""DeepSeek-V4 beyond the cross-family suites (families.py recipe): a long prompt (many CSA and
+HCA windows, the indexer choosing among them) batched with short ones at every expert budget,
+chunked prefill splitting windows across steps, preemption recomputing from token 0, prefix
+caching on (the cached rows rebuild the same compressed entries), hash-routed layers using
+exactly `tid2eid[token]`, bfloat16 (transformers keeps norms, mHC weights, sinks and gate biases
+in float32; so do we), and the per-token KV row of each attention kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moetier import LLM
+from moetier.engine.kv_cache import kv_layout
+from moetier.errors import ConfigError, UnsupportedModelError
+from moetier.models.deepseek_v4 import check_config
+from tests.models.families import FAMILIES
+from tests.models.parity import (
+    check_parity,
+    hf_greedy,
+    hf_last_logits,
+    hf_model,
+    min_budget,
+    moetier_greedy,
+)
+
+V4 = FAMILIES["deepseek_v4"]
+NEW = 16
+# 75 tokens: 18 CSA windows (rate 4, the indexer keeps 2 per query) and 9 HCA windows (rate 8)
+LONG = [(7 * i + 3) % 256 for i in range(75)]
+MIXED = [LONG, [1, 5, 9, 33, 100, 7], [7, 8, 9], [42]]
+# shares LONG's first 64 tokens, then differs: a prefix-cache hit with another suffix
+FORK = LONG[:64] + [11, 22, 33, 44, 55, 66, 77]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return V4.checkpoint(tmp_path_factory.mktemp("deepseek_v4"), seed=6)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt: Path) -> dict[tuple[int, ...], list[int]]:
+    ref = hf_model(ckpt)
+    return {tuple(p): hf_greedy(ref, p, NEW) for p in [*MIXED, FORK]}
+
+
+def _llm(path: Path, budget: Any = None, **kw: Any) -> LLM:
+    return LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False, **kw)
+
+
+def _check(llm: LLM, want: dict[tuple[int, ...], list[int]], prompts: list[list[int]]) -> None:
+    got = moetier_greedy(llm, prompts, NEW)
+    for p, tokens in zip(prompts, got):
+        assert tokens == want[tuple(p)], f"token mismatch for the {len(p)}-token prompt"
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("budget", [None, "50%", "min"])
+def test_long_and_short_prompts_in_one_batch(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]], budget: str | None
+) -> None:
+    llm = _llm(ckpt, min_budget(ckpt) if budget == "min" else budget)
+    _check(llm, reference, MIXED)
+    stats = llm.offload_stats()
+    assert stats["total_experts"] == V4.routed_experts
+    assert (stats["disk_reads"] > 0) == (budget is not None)
+
+
+def test_chunked_prefill_splits_windows_across_steps(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    # chunks of at most 7 tokens: window boundaries (every 4 and 8) fall inside chunks
+    llm = _llm(ckpt, "50%", max_num_batched_tokens=7)
+    steps: list[list[tuple[int, int]]] = []
+    execute = llm.engine.runner.execute
+
+    def spy(batch: Any) -> torch.Tensor:
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in batch.scheduled])
+        return execute(batch)
+
+    llm.engine.runner.execute = spy  # type: ignore[method-assign]
+    _check(llm, reference, MIXED)
+    assert max(sum(n for _, n in step) for step in steps) <= 7
+    chunks, done = [], 0  # the long prompt's (request 0) prefill chunks
+    for n in (n for step in steps for rid, n in step if rid == 0):
+        if done < len(LONG):
+            chunks.append(n)
+            done += n
+    assert done == len(LONG) and len(chunks) >= 11, chunks
+
+
+def test_preemption_recomputes_from_token_zero(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    # 12 blocks of 8 tokens: the long prompt (75 + 16) alone takes all of them, so the short
+    # ones are preempted while it grows and recompute from 0.
+    llm = _llm(ckpt, min_budget(ckpt), num_kv_blocks=12, kv_block_size=8)
+    _check(llm, reference, [MIXED[1], MIXED[2], LONG, MIXED[3]])
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_reuses_rows_exactly(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    llm = _llm(ckpt, None, enable_prefix_caching=True, kv_block_size=8)
+    assert llm.engine.blocks.prefix_caching
+    _check(llm, reference, [LONG])
+    _check(llm, reference, [FORK])  # 64 cached tokens: 16 CSA and 8 HCA windows rebuilt
+    _check(llm, reference, [LONG])
+    assert llm.engine.scheduler.prefix_cache_hits >= 64 + 72
+
+
+def test_hash_layers_route_by_token_id(ckpt: Path) -> None:
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    llm = _llm(ckpt, "50%")
+    seen: dict[int, list[list[int]]] = {}
+    blocks = llm.engine.runner.model.moe_blocks()
+    for b in blocks:
+        b.route_observer = lambda layer, ids, k: seen.setdefault(layer, []).append(ids)
+    prompt = MIXED[1]
+    moetier_greedy(llm, [prompt], 2)
+    tables = [tensors[f"model.layers.{i}.ffn.gate.tid2eid"] for i in (0, 1)]
+    assert tables[0].any() and not torch.equal(tables[0], tables[1])
+    for layer, kind in enumerate(V4.main["mlp_layer_types"]):
+        table = tables[layer] if kind == "hash_moe" else tables[0]
+        want = table[torch.tensor(prompt)].flatten().tolist()  # the prefill's ids, token-major
+        # hash layers: exactly the table's experts; learned layers: their own choice
+        assert (seen[layer][0] == want) == (kind == "hash_moe")
+
+
+def test_kv_row_per_attention_kind(ckpt: Path) -> None:
+    """Sliding: the key (d); HCA: + kv and gate (2d); CSA: + both series (4d) and the
+    indexer's (4 dI): one shared head per token."""
+    d, di = V4.tiny["head_dim"], V4.tiny["index_head_dim"]
+    layout = kv_layout(_llm(ckpt).engine.runner.model)
+    widths = {layer: spec.k for layer, spec in layout.items()}
+    assert widths == {0: (1, d), 1: (1, 5 * d + 4 * di), 2: (1, 3 * d), 3: (1, 5 * d + 4 * di)}
+    assert all(spec.v is None for spec in layout.values())
+
+
+def test_gate_lookahead_prefetch_skips_hash_layers(ckpt: Path) -> None:
+    """The next layer's router on this layer's hidden state: a hash router cannot route one
+    (it needs token ids), so hash layers get no prediction; learned ones do, exactly."""
+    expert = 3 * V4.tiny["hidden_size"] * V4.tiny["moe_intermediate_size"] * 4
+    three_waves = f"{3 * V4.tiny['num_experts_per_tok'] * expert}B"
+    stats = check_parity(ckpt, three_waves, prefetch="gate-lookahead")
+    assert stats["prefetches_issued"] > 0 and stats["disk_reads"] > 0
+
+
+def test_quantized_checkpoints_are_refused(ckpt: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt)
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(UnsupportedModelError, match="quantization_config"):
+        check_config(config)
+
+
+def test_parity_in_bfloat16(tmp_path: Path) -> None:
+    """The recipe stored and computed in bfloat16: the same tokens, logits within 1e-2 (they
+    come out equal: the float32 sinks promote each softmax row to float32 as in HF)."""
+    path = V4.checkpoint(tmp_path / "bf16", seed=6)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_model(path, torch.bfloat16)
+    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="bfloat16", progress=False)
+    for prompt, tokens in zip(MIXED, moetier_greedy(llm, MIXED, NEW)):
+        assert tokens == hf_greedy(ref, prompt, NEW), f"token mismatch for {len(prompt)} tokens"
+        torch.testing.assert_close(
+            llm.prompt_logits(prompt), hf_last_logits(ref, prompt), rtol=1e-2, atol=1e-2
+        )
+
+
+def test_device_cache_is_refused(ckpt: Path) -> None:
+    """The device cache computes with the expert kernels, whose SwiGLU has no clamp."""
+    with pytest.raises(ConfigError, match="activation the expert kernels do not fuse"):
+        _llm(ckpt, "50%", host_budget="100%", moe_grouped_kernel=True, device_cache=True)
