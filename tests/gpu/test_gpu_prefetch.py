@@ -24,7 +24,7 @@ import torch
 
 from moetier import LLM, SamplingParams
 from moetier.offload.transfer import CudaCopier
-from tests.models.parity import PROMPTS, graphs_apply, moetier_greedy
+from tests.models.parity import PROMPTS, graphs_apply, moetier_greedy, top_k
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def budget(path: Path, dtype_bytes: int = 2) -> str:
     expert = 3 * cfg["hidden_size"] * inter * dtype_bytes
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     layers = cfg["num_hidden_layers"]  # an upper bound on MoE layers: 25% of it is generous
-    return f"{max(3 * cfg['num_experts_per_tok'], experts * layers // 4) * expert}B"
+    return f"{max(3 * top_k(cfg), experts * layers // 4) * expert}B"
 
 
 @pytest.fixture

@@ -89,8 +89,10 @@ class DeviceCache:
         """ids [T, K] (this layer's routing, on the device) -> slots [T, K] int32 holding them,
         filling the misses first. Queued on the current stream; nothing waits for the device."""
         e, s = self.num_experts, self.num_slots
+        # index_fill_ / fill_, never `t[i] = scalar`: on CUDA the scalar is staged on the host
+        # and copied, which a CUDA graph capture refuses
         need = torch.zeros(e, dtype=torch.bool, device=ids.device)
-        need[ids.reshape(-1)] = True  # [E]
+        need.index_fill_(0, ids.reshape(-1), True)  # [E]
         keys = layer * e + self._arange_e  # [E]
         cur = self.slot_of[keys]  # [E]
         hit = need & (cur >= 0)
@@ -104,19 +106,14 @@ class DeviceCache:
         evict = miss & (old >= 0)
         self.slot_of.scatter_(0, torch.where(evict, old, self._keys), -1)
         self.slot_of.scatter_(0, torch.where(miss, keys, self._keys), victim)
-        self.slot_of[self._keys] = -1  # the pad took the non-misses' writes
+        self.slot_of[self._keys].fill_(-1)  # the pad took the non-misses' writes
         self.key_of.scatter_(0, victim, torch.where(miss, keys, -1))
-        self.key_of[s] = -1
+        self.key_of[s].fill_(-1)
         now = self.slot_of[keys]  # [E]
         self.clock += 1
         self.last_use.scatter_(0, torch.where(need, now, s), self.clock.expand(e))
-        # the fill's rows: at most min(T*K, E) misses, first (ascending expert) in a fixed-size
-        # list, so the kernel launches programs for them alone, not for every expert
-        m = min(ids.numel(), e)
-        first = torch.argsort((~miss).to(torch.uint8), stable=True)[:m]  # [m]
-        fills = miss[first]
-        src = torch.where(fills, self.host_row[keys[first]], -1)
-        fill_slots(self.host_pool, self.pool, src, torch.where(fills, victim[first], -1))
+        src = torch.where(miss, self.host_row[keys], -1)
+        fill_slots(self.host_pool, self.pool, src, torch.where(miss, victim, -1))
         self.counters += torch.stack([hit, miss, evict]).sum(dim=1)
         return now[ids].to(torch.int32)
 
@@ -127,10 +124,12 @@ class DeviceCache:
         s, e, pad = self.num_slots, self.num_experts, self.num_layers
         key = self.key_of[:s]
         layer_of = torch.where(key >= 0, key // e, pad)  # [S], empty -> the pad layer
-        counts = torch.bincount(layer_of, minlength=pad + 1)  # [L + 1]
+        # [L + 1]; not bincount, whose CUDA kernel reads the input's maximum on the host
+        counts = torch.zeros(pad + 1, dtype=torch.int64, device=key.device)
+        counts.scatter_add_(0, layer_of, torch.ones_like(layer_of))
         over = counts - self.quota
         over[layer] += miss.sum()  # the caller's misses join its layer
-        over[pad] = 0
+        over[pad].fill_(0)
         # each slot's rank among its layer's slots, least recent first
         by_layer = torch.argsort(layer_of * _SPAN + self.last_use[:s] + 1, stable=True)
         start = torch.cumsum(counts, 0) - counts
