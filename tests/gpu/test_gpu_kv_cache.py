@@ -1,9 +1,9 @@
 """KV cache formats and start-up allocation on CUDA (engine/kv_cache.py).
 
-Every family: the int8 cache under CUDA-graph replays (whole and piecewise) gives the tokens
-of the eager int8 step; bf16 and int8 prompt logits stay near the exact cache's; the pools are
-allocated when the LLM is built and an impossible block count fails there. Run on the GPU
-machine with `bash scripts/gpu_check.sh`.
+Every family whose decode replays as CUDA graphs: the int8 cache under replays (whole and
+piecewise) gives the tokens of the eager int8 step; bf16 and int8 move prompt logits no more on
+CUDA than on the CPU; the pools are allocated when the LLM is built and an impossible block
+count fails there. Run on the GPU machine with `bash scripts/gpu_check.sh`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from moetier import LLM
 from moetier.errors import DeviceMemoryError
-from tests.models.parity import PROMPTS, moetier_greedy, recurrent_state
+from tests.models.parity import PROMPTS, graphs_apply, moetier_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,8 +25,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("budget", [None, "50%"])
 def test_int8_graph_replays_equal_eager_int8(ckpt: Path, budget: str | None) -> None:
-    if recurrent_state(ckpt):
-        pytest.skip("recurrent-state layers: decode runs eagerly (no CUDA graphs)")
+    if not graphs_apply(ckpt):
+        pytest.skip("decode runs eagerly: recurrent-state layers or experts on the loop")
     kw = dict(
         expert_budget=budget, device="cuda", dtype="float32", progress=False, kv_cache_dtype="int8"
     )
@@ -42,14 +42,20 @@ def test_int8_graph_replays_equal_eager_int8(ckpt: Path, budget: str | None) -> 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_lossy_formats_keep_logits_close(ckpt: Path, fmt: str) -> None:
-    """Float32 model: bf16 within 0.05, int8 within 0.08 (the CPU suite measured at most 0.04
-    for int8 on the tiny families, tests/unit/test_kv_int8.py)."""
-    kw = dict(device="cuda", dtype="float32", progress=False)
-    exact, lossy = LLM(str(ckpt), **kw), LLM(str(ckpt), kv_cache_dtype=fmt, **kw)
-    for prompt in PROMPTS:
-        torch.testing.assert_close(
-            lossy.prompt_logits(prompt), exact.prompt_logits(prompt), atol=0.08, rtol=0
+    """Float32 model: the lossy cache moves the prompt logits on CUDA by no more than it moves
+    them on the CPU (the same quantization; the CPU suite checks it against a reference), plus
+    0.02. The shift itself depends on the family: measured on the CPU, int8 moved these tiny
+    checkpoints' logits (max |logit| ~2-7) by 0.034 (qwen3_moe) to 0.96 (gemma4)."""
+
+    def shift(device: str) -> float:
+        kw = dict(device=device, dtype="float32", progress=False)
+        exact, lossy = LLM(str(ckpt), **kw), LLM(str(ckpt), kv_cache_dtype=fmt, **kw)
+        return max(
+            (lossy.prompt_logits(p) - exact.prompt_logits(p)).abs().max().item() for p in PROMPTS
         )
+
+    cuda, cpu = shift("cuda"), shift("cpu")
+    assert cuda <= cpu + 0.02, (cuda, cpu)
 
 
 def test_pools_allocated_at_start_and_impossible_count_refused(ckpt: Path) -> None:

@@ -23,8 +23,14 @@ def _fill(host_ptr, pool_ptr, src_ptr, dst_ptr, ROW, HOST_STRIDE, POOL_STRIDE,
 
 
 def fill_slots_triton(
-    host: torch.Tensor, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, block: int
+    host: torch.Tensor,
+    pool: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    block: int,
+    num_warps: int = 4,
 ) -> None:
     row = pool.shape[1]
     grid = (src.numel(), triton.cdiv(row, block))
-    _fill[grid](host, pool, src, dst, row, host.stride(0), pool.stride(0), BLOCK=block)
+    _fill[grid](host, pool, src, dst, row, host.stride(0), pool.stride(0), BLOCK=block,
+                num_warps=num_warps)  # fmt: skip
