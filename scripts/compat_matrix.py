@@ -2,9 +2,10 @@
 
 Reads a junit XML of the CPU suite (`pytest tests/models -m "not gpu" --junitxml=...`), or runs
 that suite itself when none is given, and optionally a junit XML of the GPU suite
-(`pytest tests/gpu -m gpu --junitxml=...`, run on the H200). Every cell comes from test cases
-of one family (the parametrization id's first part is the family's key in
-tests/models/families.py); a column nobody ran says "not run". Never hand-edit the output.
+(`pytest tests/gpu -m gpu --junitxml=...`, run on a GPU machine; --gpu-name names it). Every
+cell comes from test cases of one family (the parametrization id's first part is the family's
+key in tests/models/families.py); a column nobody ran says "not run". Never hand-edit the
+output.
 
     python scripts/compat_matrix.py                       # runs the CPU suite, writes the doc
     python scripts/compat_matrix.py --junit cpu.xml --commit abc1234 --gpu-junit gpu.xml
@@ -59,19 +60,17 @@ CPU_COLUMNS = (
     Column("GGUF file", "tests.models.test_gguf", "test_gguf_parity"),
 )
 GPU_COLUMNS = (
-    Column("H200 fp32 parity", "tests.gpu.test_gpu_parity", "test_fp32_parity_on_cuda"),
+    Column("GPU fp32 parity", "tests.gpu.test_gpu_parity", "test_fp32_parity_on_cuda"),
+    Column("GPU disk tier", "tests.gpu.test_gpu_parity", "test_fp32_parity_with_disk_tier_on_cuda"),
+    Column("GPU bf16 ~ HF", "tests.gpu.test_gpu_parity", "test_bf16_close_to_transformers_bf16"),
     Column(
-        "H200 disk tier", "tests.gpu.test_gpu_parity", "test_fp32_parity_with_disk_tier_on_cuda"
-    ),
-    Column("H200 bf16 ~ HF", "tests.gpu.test_gpu_parity", "test_bf16_close_to_transformers_bf16"),
-    Column(
-        "H200 grouped kernel",
+        "GPU grouped kernel",
         "tests.gpu.test_gpu_grouped",
         "test_grouped_kernel_parity_every_budget",
         kernel=True,
     ),
     Column(
-        "H200 CUDA graphs",
+        "GPU CUDA graphs",
         "tests.gpu.test_gpu_graphs",
         "test_graph_decode_parity_with_transformers",
         kernel=True,
@@ -186,7 +185,11 @@ def run_cpu_suite(junit: Path) -> None:
     subprocess.run([*cmd, f"--junitxml={junit}", "-p", "no:cacheprovider"], cwd=ROOT, env=env)
 
 
-def render(cpu: tuple[list[Case], str, str], gpu: tuple[list[Case], str, str] | None) -> str:
+def render(
+    cpu: tuple[list[Case], str, str],
+    gpu: tuple[list[Case], str, str] | None,
+    gpu_name: str = "GPU",
+) -> str:
     facts = family_facts()
     cpu_cases, cpu_stamp, cpu_commit = cpu
     lines = [
@@ -208,12 +211,12 @@ def render(cpu: tuple[list[Case], str, str], gpu: tuple[list[Case], str, str] | 
         "",
     ]
     if gpu is None:
-        lines += ["## H200 (`pytest tests/gpu -m gpu`): not run", ""]
+        lines += ["## GPU (`pytest tests/gpu -m gpu`): not run", ""]
         lines += [table([], GPU_COLUMNS, facts), ""]
     else:
         gpu_cases, gpu_stamp, gpu_commit = gpu
         lines += [
-            f"## H200 (`pytest tests/gpu -m gpu`): {gpu_stamp or 'time not recorded'}, "
+            f"## {gpu_name} (`pytest tests/gpu -m gpu`): {gpu_stamp or 'time not recorded'}, "
             f"commit {gpu_commit}",
             "",
             table(gpu_cases, GPU_COLUMNS, facts),
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--junit", type=Path, help="CPU suite junit XML (default: run the suite)")
     ap.add_argument("--commit", help="commit the --junit run tested (default: HEAD now)")
-    ap.add_argument("--gpu-junit", type=Path, help="GPU suite junit XML (H200)")
+    ap.add_argument("--gpu-junit", type=Path, help="GPU suite junit XML")
+    ap.add_argument("--gpu-name", default="GPU", help="the device the GPU suite ran on")
     ap.add_argument("--gpu-commit", default="not recorded", help="commit the GPU run tested")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
     args = ap.parse_args(argv)
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_junit is not None:
         gpu_cases, gpu_stamp = read_junit(args.gpu_junit)
         gpu = (gpu_cases, gpu_stamp, args.gpu_commit)
-    args.out.write_text(render((cases, stamp, commit), gpu))
+    args.out.write_text(render((cases, stamp, commit), gpu, args.gpu_name))
     print(f"wrote {args.out}")
     return 0
 

@@ -7,7 +7,7 @@
 #   2. SHAPE (qwen3-30b-a3b; real depth unless LAYERS), trace routing, 25%: TPOT at batch 1 on
 #      the host path and with --device-cache (lru, then layer-lru; with BEFORE=DIR also the
 #      device cache with DIR's files, a tree mirroring the repo's, swapped in: an A/B of a
-#      change in one call), then batch BATCH (16) host and device layer-lru;
+#      change in one call), then batch BATCH (16) device layer-lru and host;
 #   3. the compressed-slot kernels' bandwidth (scripts/gpu_formats.py) unless SKIP_FORMATS=1;
 #   4. FORMATS (default fp8) synthetics of the same shape at 25% of bf16 bytes: host path and
 #      device cache (the budget per format below).
@@ -65,9 +65,9 @@ run_shape() {  # FORMAT
   latency "$tag-dc-layer-lru" "${S[@]}" --expert-budget "$budget" "${DC[@]}" --policy layer-lru
   if [ "$fmt" = bf16 ]; then
     local B=(--batch-size "$BATCH" --num-prompts "$BATCH")
-    latency "$tag-b$BATCH-host" "${S[@]}" "${B[@]}" --expert-budget "$budget"
     latency "$tag-b$BATCH-dc-layer-lru" "${S[@]}" "${B[@]}" --expert-budget "$budget" \
       "${DC[@]}" --policy layer-lru
+    latency "$tag-b$BATCH-host" "${S[@]}" "${B[@]}" --expert-budget "$budget"
   fi
 }
 run_shape bf16
