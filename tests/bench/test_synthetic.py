@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moetier.bench.latency import model_geometry
-from moetier.bench.synthetic import ensure_synthetic, shape_config
+from moetier.bench.shapes import shape_config
+from moetier.bench.synthetic import ensure_synthetic
 
 # (shape, layers, experts, top-k, MB per bf16 expert) as in the facts' table
 REAL = [
@@ -111,7 +112,8 @@ def test_2026_shapes_have_the_published_sizes(
 ) -> None:
     """Experts, top-k and depth of the config the writer builds, and the routed experts'
     tensors it writes: fused [E, 2I, D] + [E, D, I], 3 * D * I bf16 values an expert."""
-    from moetier.bench.synthetic import DEFAULT_LAYERS, checkpoint_plan
+    from moetier.bench.shapes import DEFAULT_LAYERS
+    from moetier.bench.synthetic import checkpoint_plan
 
     c = shape_config(shape, DEFAULT_LAYERS[shape])
     e = getattr(c, "num_experts", None) or c.n_routed_experts
@@ -141,7 +143,7 @@ ROUTED_BF16 = [
 
 @pytest.mark.parametrize("shape,expert_bytes,routed_bytes", ROUTED_BF16)
 def test_2026_shapes_routed_bytes(shape: str, expert_bytes: int, routed_bytes: int) -> None:
-    from moetier.bench.synthetic import DEFAULT_LAYERS
+    from moetier.bench.shapes import DEFAULT_LAYERS
 
     row = next(r for r in FAMILIES_2026 if r[0] == shape)
     _, _, moe_layers, experts, _, d, i = row
@@ -207,7 +209,7 @@ def test_fp8_synthetic_is_read_as_stored() -> None:
     "shape,experts,layers", [("gpt-oss-20b", 32, 24), ("gpt-oss-120b", 128, 36)]
 )
 def test_gpt_oss_shapes(shape: str, experts: int, layers: int) -> None:
-    from moetier.bench.synthetic import DEFAULT_LAYERS, MXFP4_SHAPES
+    from moetier.bench.shapes import DEFAULT_LAYERS, MXFP4_SHAPES
 
     c = shape_config(shape, DEFAULT_LAYERS[shape])
     assert (c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok) == (layers, experts, 4)

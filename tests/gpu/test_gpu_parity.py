@@ -42,13 +42,19 @@ def test_fp32_parity_with_disk_tier_on_cuda(ckpt: Path) -> None:
 
 
 def test_bf16_close_to_transformers_bf16(ckpt: Path) -> None:
+    """bf16 logits are no farther from transformers' float32 logits than transformers' own bf16
+    logits are (x1.5 + 0.01, relative to the largest logit). Not a fixed bound against HF bf16:
+    some tiny random checkpoints are chaotic in bf16 (gemma4's moved 0.50 from float32 in HF
+    itself on a 13-token prompt, on the CPU), so two correct bf16 paths differ by up to 0.1."""
     ref = hf_model(ckpt, torch.bfloat16).to("cuda")
+    exact = hf_model(ckpt, torch.float32).to("cuda")
     llm = LLM(str(ckpt), expert_budget="50%", device="cuda", dtype="bfloat16", progress=False)
     for prompt in PROMPTS:
-        ours, theirs = llm.prompt_logits(prompt), hf_last_logits(ref, prompt)
-        cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=0).item()
-        err = (ours - theirs).abs().max().item() / theirs.abs().max().item()
-        assert cos > 0.999 and err < 0.05, f"bf16 logits diverge (cos {cos:.5f}, rel {err:.4f})"
+        want = hf_last_logits(exact, prompt).float()
+        ours, theirs = llm.prompt_logits(prompt).float(), hf_last_logits(ref, prompt).float()
+        scale = want.abs().max().item()
+        err, hf_err = ((x - want).abs().max().item() / scale for x in (ours, theirs))
+        assert err <= 1.5 * hf_err + 0.01, f"bf16 logits: {err:.4f} from float32, HF's {hf_err:.4f}"
     # bf16 rounding differs between implementations, so greedy paths may fork late: report it.
     got = moetier_greedy(llm, PROMPTS, 16)
     want = [hf_greedy(ref, p, 16) for p in PROMPTS]
