@@ -2,6 +2,8 @@
 # One device call for the device-resident expert cache and compressed experts, from the repo
 # root on the GPU machine, in priority order (each step logs and the script goes on when one
 # fails; no step starts within 30 s of DEADLINE seconds):
+#   0. the fill kernel's launch configurations against the copy engine (scripts/gpu_fill_sweep.py)
+#      unless SKIP_FILL=1;
 #   1. the GPU test suite (tests/gpu; GPU_TESTS= picks files) unless SKIP_TESTS=1, at most
 #      TEST_LIMIT seconds (default: up to the deadline);
 #   2. SHAPE (qwen3-30b-a3b; real depth unless LAYERS), trace routing, 25%: TPOT at batch 1 on
@@ -35,6 +37,9 @@ swap_in() { (cd "$BEFORE" && find . -type f) | while read -r f; do
 swap_out() { (cd "$BEFORE" && find . -type f) | while read -r f; do mv "$f.after" "$f"; done; }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+if [ "${SKIP_FILL:-0}" != 1 ]; then  # the fill kernel against the copy engine (~30 s)
+  step fill-sweep env OUT="$WORK" python3 scripts/gpu_fill_sweep.py
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   saved=$DEADLINE
   [ -n "${TEST_LIMIT:-}" ] && DEADLINE=$((SECONDS - START + TEST_LIMIT))
