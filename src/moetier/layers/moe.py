@@ -63,8 +63,8 @@ class MoEBlock(nn.Module):
         # expert) pairs is computed by the slot-reading kernel (expert_ffn.py), a larger one by
         # the grouped kernel (grouped_ffn.py) when `grouped_kernel` is on; else the per-expert
         # loop (the CPU default). With every expert resident neither adds a host sync.
-        self.slot_kernel_max_pairs = 0
-        self.grouped_kernel = False
+        self._slot_pairs = 0
+        self._grouped = False
         # How the kernels read a slot (dense, or FP8 with block scales); None = dense. Set by
         # the model runner from the expert packing.
         self.slot_layout: SlotLayout | None = None
@@ -84,6 +84,25 @@ class MoEBlock(nn.Module):
         # flat host expert ids [T*K], router input [T, D] or None); the prefetcher attaches here
         # (offload/prefetcher.py). Never called on the all-resident path.
         self.prefetcher: Callable[[int, list[int], torch.Tensor | None], None] | None = None
+
+    # The switches read off for a block whose experts are not the kernels' math (they fuse a
+    # plain SwiGLU: `act_name` "silu"), whatever the runner sets, so the block never claims a
+    # kernel path it does not take (CUDA graphs capture only blocks whose steps take one).
+    @property
+    def slot_kernel_max_pairs(self) -> int:
+        return self._slot_pairs if self.act_name == "silu" else 0
+
+    @slot_kernel_max_pairs.setter
+    def slot_kernel_max_pairs(self, pairs: int) -> None:
+        self._slot_pairs = pairs
+
+    @property
+    def grouped_kernel(self) -> bool:
+        return self._grouped and self.act_name == "silu"
+
+    @grouped_kernel.setter
+    def grouped_kernel(self, on: bool) -> None:
+        self._grouped = on
 
     def compute(
         self,

@@ -62,25 +62,9 @@ class V4MoE(MoEBlock):
         self.hashed, self.limit = hashed, float(config.swiglu_limit)
         self.shared_experts = ClampedMLP(config.hidden_size, inter, config.hidden_act, self.limit)
         self.topk_sum = True
-        # Not plain silu: the kernels' SwiGLU has no clamp, so the device cache (which computes
-        # with them) refuses this block by its activation name (model_runner.py).
+        # Not plain silu: the kernels' SwiGLU has no clamp, so the kernel switches read off
+        # (MoEBlock) and the device cache refuses the block (model_runner.py).
         self.act_name = "clamped_silu"
-
-    @property
-    def slot_kernel_max_pairs(self) -> int:
-        return 0
-
-    @slot_kernel_max_pairs.setter
-    def slot_kernel_max_pairs(self, pairs: int) -> None:
-        pass
-
-    @property
-    def grouped_kernel(self) -> bool:
-        return False
-
-    @grouped_kernel.setter
-    def grouped_kernel(self, on: bool) -> None:
-        pass
 
     def expert_mlp(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int

@@ -34,26 +34,8 @@ class Gemma4MoE(MoEBlock):
     """Routed experts that route on one input (the residual) and compute on another.
 
     The MoE kernels fuse silu only and `routed` computes any other activation (Gemma 4's
-    gelu_pytorch_tanh) with the per-expert loop. The kernel switches read off here, whatever
-    the runner sets, so the block does not claim a kernel path it never takes: CUDA graphs
-    (engine/graphs.py `graph_safe`) capture only blocks whose steps take a kernel.
+    gelu_pytorch_tanh) with the per-expert loop; the kernel switches read off (MoEBlock).
     """
-
-    @property
-    def slot_kernel_max_pairs(self) -> int:
-        return self._slot_pairs if self.act_name == "silu" else 0
-
-    @slot_kernel_max_pairs.setter
-    def slot_kernel_max_pairs(self, pairs: int) -> None:
-        self._slot_pairs = pairs
-
-    @property
-    def grouped_kernel(self) -> bool:
-        return self._grouped and self.act_name == "silu"
-
-    @grouped_kernel.setter
-    def grouped_kernel(self, on: bool) -> None:
-        self._grouped = on
 
     def forward(self, x: torch.Tensor, experts_in: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] the router input, experts_in [T, D] the experts' input -> [T, D]."""

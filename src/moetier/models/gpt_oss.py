@@ -75,9 +75,9 @@ class GptOssExpertBiases(nn.Module):
 
 class GptOssMoE(MoEBlock):
     """Routed experts with biases and the clamped SwiGLU (HF's GptOssExperts), computed one
-    expert at a time by MoEBlock's loop through `expert_mlp`. The kernel switches read off
-    here whatever the runner sets (the kernels fuse plain silu): CUDA graphs
-    (engine/graphs.py `graph_safe`) and the fused paths skip the block."""
+    expert at a time by MoEBlock's loop through `expert_mlp`. Its `act_name` is not "silu"
+    (the kernels fuse plain silu), so the kernel switches read off: CUDA graphs (engine/graphs.py
+    `graph_safe`), the fused paths and the device cache skip the block."""
 
     def __init__(self, layer: int, config: Any) -> None:
         num_experts, top_k, inter = moe_config(config)
@@ -87,22 +87,7 @@ class GptOssMoE(MoEBlock):
         self.topk_sum = True  # each token's K outputs summed at once, as HF's grouped_mm
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
-
-    @property
-    def slot_kernel_max_pairs(self) -> int:
-        return 0
-
-    @slot_kernel_max_pairs.setter
-    def slot_kernel_max_pairs(self, pairs: int) -> None:
-        pass
-
-    @property
-    def grouped_kernel(self) -> bool:
-        return False
-
-    @grouped_kernel.setter
-    def grouped_kernel(self, on: bool) -> None:
-        pass
+        self.act_name = "clamped_silu"
 
     def expert_mlp(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int
