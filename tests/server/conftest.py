@@ -50,6 +50,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
+    return wait_until_up(launch_server(model, log_path, *extra))
+
+
+def launch_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
+    """Start `moetier serve` and return at once (`wait_until_up` waits for it): the caller
+    may work while the server loads."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     env.pop("MOETIER_API_KEY", None)
@@ -57,7 +63,7 @@ def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
     cmd += ["--device", DEVICE, "--dtype", "float32", *extra]
     log = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    return wait_until_up(LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path))
+    return LiveServer(f"http://127.0.0.1:{port}", model.name, proc, log_path)
 
 
 def wait_until_up(server: LiveServer) -> LiveServer:

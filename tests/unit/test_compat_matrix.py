@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
-<testsuite name="pytest" tests="8" timestamp="2026-12-04T20:00:00">
+<testsuite name="pytest" tests="10" timestamp="2026-12-04T20:00:00">
 <testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-None]"/>
 <testcase classname="tests.models.test_family_parity" name="test_parity_budgets[gemma4-50%]">
 <failure message="token mismatch">x</failure></testcase>
@@ -20,6 +20,11 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
 <testcase classname="tests.models.test_gguf" name="test_gguf_parity[qwen3_moe-q4_k_m-min]"/>
 <testcase classname="tests.models.test_gguf" name="test_gguf_parity[mixtral-q8_0-50%]"/>
 <testcase classname="tests.models.test_gguf" name="test_gguf_parity[mixtral-q4_k_m-50%]">
+<failure message="token mismatch">x</failure></testcase>
+<testcase classname="tests.server.test_family_parity_served"
+ name="test_served_concurrent_preempted_equal_transformers[qwen3_5_moe]"/>
+<testcase classname="tests.server.test_family_parity_served"
+ name="test_served_concurrent_preempted_equal_transformers[gpt_oss]">
 <failure message="token mismatch">x</failure></testcase>
 </testsuite></testsuites>"""
 
@@ -38,8 +43,8 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     cm = _script()
     (tmp_path / "cpu.xml").write_text(JUNIT)
     cases, stamp = cm.read_junit(tmp_path / "cpu.xml")
-    assert stamp == "2026-12-04T20:00:00" and len(cases) == 7
-    full, half, low, _, _, _, slot, _, gguf = cm.CPU_COLUMNS
+    assert stamp == "2026-12-04T20:00:00" and len(cases) == 9
+    full, half, low, _, _, _, slot, _, gguf, served = cm.CPU_COLUMNS
     assert cm.cell(cases, full, "gemma4", True) == "pass"
     assert cm.cell(cases, half, "gemma4", True) == "**FAIL** 1/1"
     assert cm.cell(cases, low, "gemma4", True) == "not run"
@@ -47,3 +52,15 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     assert cm.cell(cases, slot, "mixtral", False) == "skipped"
     assert cm.cell(cases, gguf, "qwen3_moe", False) == "pass"  # every format and budget
     assert cm.cell(cases, gguf, "mixtral", False) == "**FAIL** 1/2"
+    assert cm.cell(cases, served, "qwen3_5_moe", False) == "pass"
+    assert cm.cell(cases, served, "gpt_oss", False) == "**FAIL** 1/1"
+    assert cm.cell(cases, served, "mixtral", False) == "not run"
+
+
+def test_cpu_suite_runs_every_column_module() -> None:
+    cm = _script()
+    root = Path(cm.ROOT)
+    for column in cm.CPU_COLUMNS:
+        path = column.module.replace(".", "/") + ".py"
+        assert (root / path).is_file(), path
+        assert any(path == s or path.startswith(s.rstrip("/") + "/") for s in cm.CPU_SUITE), path
