@@ -244,23 +244,28 @@ def test_prefetched_hash_experts_are_hits_at_the_minimum_budget(
     assert off_stats["disk_reads"] == on_stats["disk_reads"] == 128  # moved earlier, not more
 
 
+@pytest.mark.parametrize("host_budget", [None, "75%"])
 def test_prefetched_hash_experts_are_hits_at_half_budget(
-    ckpt: Path, reference: dict[tuple[int, ...], list[int]]
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]], host_budget: str | None
 ) -> None:
     """16 slots: without prefetch the hash layers miss exactly what an LRU pool of 16 keys
-    misses on the run's fetches; with it they never miss (every prefetch used), and the learned
-    layers miss as often as before."""
+    misses on the run's fetches; with it they never miss (every prefetch used, each miss now a
+    device hit), and the learned layers miss as often as before. With a host tier (24 rows)
+    the misses the prefetch took away were partly host hits: fewer of those too."""
     runs = {}
     for name in (None, "hash"):
-        llm = _llm(ckpt, "50%", prefetch=name)
+        llm = _llm(ckpt, "50%", prefetch=name, host_budget=host_budget)
         misses, fetches = _count_fetches(llm)
         _check(llm, reference, [[42]])
         runs[name] = misses, fetches, llm.offload_stats()
     slots = llm.engine.runner.expert_cache.num_slots
-    (off, fetches, _), (on, _, on_stats) = runs[None], runs["hash"]
+    (off, fetches, off_stats), (on, _, on_stats) = runs[None], runs["hash"]
     assert slots == 16 and off == _lru_misses(fetches, slots) == {0: 13, 1: 12, 2: 10, 3: 10}
     assert on == {0: 0, 1: 0, 2: 10, 3: 10}
     assert on_stats["prefetches_issued"] == on_stats["prefetches_used"] == 26
+    assert on_stats["device_hits"] == off_stats["device_hits"] + 13 + 12 == 108
+    if host_budget is not None:
+        assert (off_stats["host_hits"], on_stats["host_hits"]) == (14, 5)
 
 
 @pytest.mark.parametrize("budget", ["50%", "min"])
