@@ -144,11 +144,145 @@ def test_kv_row_per_attention_kind(ckpt: Path) -> None:
 
 def test_gate_lookahead_prefetch_skips_hash_layers(ckpt: Path) -> None:
     """The next layer's router on this layer's hidden state: a hash router cannot route one
-    (it needs token ids), so hash layers get no prediction; learned ones do, exactly."""
+    (it needs token ids), so hash layers get no guess (their exact prefetch is below); learned
+    ones do."""
     expert = 3 * V4.tiny["hidden_size"] * V4.tiny["moe_intermediate_size"] * 4
     three_waves = f"{3 * V4.tiny['num_experts_per_tok'] * expert}B"
     stats = check_parity(ckpt, three_waves, prefetch="gate-lookahead")
     assert stats["prefetches_issued"] > 0 and stats["disk_reads"] > 0
+
+
+def _count_fetches(llm: LLM) -> tuple[dict[int, int], list[tuple[int, list[int]]]]:
+    """Spy on the expert cache: on-demand misses per MoE layer (each fetch's lookups less its
+    device hits; a prefetched key is a device hit) and every fetch's (layer, experts)."""
+    cache = llm.engine.runner.expert_cache
+    stats, fetch = cache.stats, cache.fetch
+    misses: dict[int, int] = {}
+    fetches: list[tuple[int, list[int]]] = []
+
+    def spy(layer: int, experts: list[int], routing: Any = None) -> Any:
+        requests, hits = stats.requests, stats.device_hits
+        batch = fetch(layer, experts, routing)
+        missed = (stats.requests - requests) - (stats.device_hits - hits)
+        misses[layer] = misses.get(layer, 0) + missed
+        fetches.append((layer, list(experts)))
+        return batch
+
+    cache.fetch = spy  # type: ignore[method-assign]
+    return misses, fetches
+
+
+def _lru_misses(fetches: list[tuple[int, list[int]]], slots: int) -> dict[int, int]:
+    """Misses per layer of an LRU pool of `slots` keys serving `fetches` in order (a fetch's
+    own keys are never its victims): the expert cache without prefetch."""
+    lru: list[tuple[int, int]] = []  # least recently used first
+    misses: dict[int, int] = {}
+    for layer, experts in fetches:
+        keys = [(layer, e) for e in experts]
+        for key in keys:
+            if key in lru:
+                lru.remove(key)
+            else:
+                misses[layer] = misses.get(layer, 0) + 1
+                if len(lru) == slots:
+                    lru.remove(next(k for k in lru if k not in keys))
+            lru.append(key)
+    return misses
+
+
+@pytest.mark.parametrize("predictor", ["hash", "last-call"])
+def test_hash_layers_prefetch_exactly_their_tables_experts(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]], predictor: str
+) -> None:
+    """Each step, before layer 0 runs, its experts `tid2eid_0[step's tokens]`; at layer 0's
+    call layer 1's `tid2eid_1[...]`: distinct, ascending, nothing else for a hash layer (no
+    guess from `last-call`, which guesses for the learned layers)."""
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tables = {i: tensors[f"model.layers.{i}.ffn.gate.tid2eid"] for i in (0, 1)}
+    llm = _llm(ckpt, "50%", prefetch=predictor)
+    cache = llm.engine.runner.expert_cache
+    calls: list[tuple[int, list[int]]] = []
+    prefetch = cache.prefetch
+
+    def spy(layer: int, experts: Any) -> int:
+        calls.append((layer, list(experts)))
+        return prefetch(layer, experts)
+
+    cache.prefetch = spy  # type: ignore[method-assign]
+    prompt = MIXED[1]
+    out = moetier_greedy(llm, [prompt], 4)[0]
+    assert out == reference[tuple(prompt)][:4]
+    steps = [prompt, *([t] for t in out[:3])]  # the prefill, then one decode per new token
+    want = [
+        (layer, sorted(set(table[torch.tensor(ids)].flatten().tolist())))
+        for ids in steps
+        for layer, table in tables.items()
+    ]
+    assert want[:2] == [(0, [0, 2, 3, 4, 5, 7]), (1, [0, 2, 3, 4, 6, 7])]  # the prefill's
+    assert [c for c in calls if c[0] in tables] == want
+    assert any(c[0] not in tables for c in calls) == (predictor == "last-call")
+
+
+def test_prefetched_hash_experts_are_hits_at_the_minimum_budget(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    """Two slots (top-2): without prefetch every call misses both experts, 16 steps x 2 per
+    layer. With it, each step's layer-0 experts are loaded into the two slots the last layer
+    left unpinned before layer 0 runs (32 prefetches, all used: layer 0 never misses); layer
+    1's prefetch, issued during layer 0's call, finds both slots pinned and starts nothing."""
+    runs = {}
+    for name in (None, "hash"):
+        llm = _llm(ckpt, min_budget(ckpt), prefetch=name)
+        misses, _ = _count_fetches(llm)
+        _check(llm, reference, [[42]])
+        runs[name] = misses, llm.offload_stats()
+    (off, off_stats), (on, on_stats) = runs[None], runs["hash"]
+    assert off == {0: 32, 1: 32, 2: 32, 3: 32}
+    assert on == {0: 0, 1: 32, 2: 32, 3: 32}
+    assert (on_stats["prefetches_issued"], on_stats["prefetches_used"]) == (32, 32)
+    assert (off_stats["device_hits"], on_stats["device_hits"]) == (0, 32)
+    assert off_stats["disk_reads"] == on_stats["disk_reads"] == 128  # moved earlier, not more
+
+
+@pytest.mark.parametrize("host_budget", [None, "75%"])
+def test_prefetched_hash_experts_are_hits_at_half_budget(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]], host_budget: str | None
+) -> None:
+    """16 slots: without prefetch the hash layers miss exactly what an LRU pool of 16 keys
+    misses on the run's fetches; with it they never miss (every prefetch used, each miss now a
+    device hit), and the learned layers miss as often as before. With a host tier (24 rows)
+    the misses the prefetch took away were partly host hits: fewer of those too."""
+    runs = {}
+    for name in (None, "hash"):
+        llm = _llm(ckpt, "50%", prefetch=name, host_budget=host_budget)
+        misses, fetches = _count_fetches(llm)
+        _check(llm, reference, [[42]])
+        runs[name] = misses, fetches, llm.offload_stats()
+    slots = llm.engine.runner.expert_cache.num_slots
+    (off, fetches, off_stats), (on, _, on_stats) = runs[None], runs["hash"]
+    assert slots == 16 and off == _lru_misses(fetches, slots) == {0: 13, 1: 12, 2: 10, 3: 10}
+    assert on == {0: 0, 1: 0, 2: 10, 3: 10}
+    assert on_stats["prefetches_issued"] == on_stats["prefetches_used"] == 26
+    assert on_stats["device_hits"] == off_stats["device_hits"] + 13 + 12 == 108
+    if host_budget is not None:
+        assert (off_stats["host_hits"], on_stats["host_hits"]) == (14, 5)
+
+
+@pytest.mark.parametrize("budget", ["50%", "min"])
+def test_hash_prefetch_keeps_tokens_and_logits(
+    ckpt: Path, reference: dict[tuple[int, ...], list[int]], budget: str
+) -> None:
+    """Long and short prompts batched: greedy tokens with the exact prefetch on equal those
+    with it off and transformers', the logits are bit for bit the same, and every exact
+    prefetch is used (ascending order: the first wave's experts when slots run out)."""
+    size = min_budget(ckpt) if budget == "min" else budget
+    off, on = _llm(ckpt, size), _llm(ckpt, size, prefetch="hash")
+    got = [moetier_greedy(llm, MIXED, NEW) for llm in (off, on)]
+    assert got[0] == got[1] == [reference[tuple(p)] for p in MIXED]
+    assert torch.equal(off.prompt_logits(LONG), on.prompt_logits(LONG))
+    stats = on.offload_stats()
+    assert stats["prefetches_issued"] == stats["prefetches_used"] > 0
+    on.engine.check_integrity()
 
 
 def test_quantized_checkpoints_are_refused(ckpt: Path) -> None:

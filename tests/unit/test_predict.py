@@ -98,8 +98,8 @@ def test_gate_lookahead_applies_the_target_layers_router_to_this_hidden_state() 
 
 
 def test_registry_names_and_unknown_predictor() -> None:
-    assert sorted(PREDICTORS) == ["activation", "gate-lookahead", "last-call", "same-index"]
-    with pytest.raises(ConfigError, match="activation, gate-lookahead, last-call, same-index"):
+    assert sorted(PREDICTORS) == ["activation", "gate-lookahead", "hash", "last-call", "same-index"]
+    with pytest.raises(ConfigError, match="activation, gate-lookahead, hash, last-call, same-"):
         make_predictor("oracle")
 
 
@@ -131,6 +131,8 @@ def test_precision_and_recall_worked_by_hand() -> None:
     assert (same.predicted, same.actual, same.correct) == (10, 10, 3)
     with pytest.raises(ConfigError, match="needs hidden states"):
         predictions(trace, "gate-lookahead")
+    with pytest.raises(ConfigError, match="reads the step's token ids"):
+        predictions(trace, "hash")
 
 
 def test_prefetch_simulation_exact() -> None:

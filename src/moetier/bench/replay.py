@@ -214,6 +214,11 @@ def predictions(trace: RoutingTrace, name: str) -> list[Prefetch | None]:
             f"predictor {name!r} needs hidden states, which a routing trace does not hold; "
             "evaluate it on a model (bench/predictors.py, tests/unit/test_predict_gate.py)"
         )
+    if predictor.needs_token_ids:
+        raise ConfigError(
+            f"predictor {name!r} reads the step's token ids, which a routing trace does not "
+            "hold; compare prefetch off and on on a model (tests/models/test_deepseek_v4.py)"
+        )
     out: list[Prefetch | None] = []
     for rec in trace.records:
         predictor.observe(rec.layer, [e for row in rec.experts for e in row], rec.requests)

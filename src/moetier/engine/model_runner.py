@@ -14,7 +14,7 @@ import torch
 
 from moetier.config import CacheConfig, EngineConfig, OffloadConfig
 from moetier.device_memory import allocate
-from moetier.engine.batch import SchedulerOutput
+from moetier.engine.batch import ScheduledRequest, SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache, kv_bytes_per_token, kv_layout, resolve_kv_format
 from moetier.engine.memory_split import MemorySplit, placed_bytes, split_memory
@@ -30,7 +30,7 @@ from moetier.layers.rotary import RotaryEmbedding
 from moetier.models.registry import Family, get_family
 from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
-from moetier.offload.prefetcher import Prefetcher, build_predictor
+from moetier.offload.prefetcher import Prefetcher, build_prefetcher
 from moetier.offload.stats import OffloadStats
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
@@ -156,6 +156,12 @@ def _non_expert_bytes(family: Any, hf_config: Any, dtype: torch.dtype) -> int:
     size = torch.empty((), dtype=dtype).element_size()
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def _new_tokens(s: ScheduledRequest) -> list[int]:
+    """The token ids a scheduled request adds this step."""
+    start = s.request.num_computed_tokens
+    return s.request.all_token_ids[start : start + s.num_new_tokens]
 
 
 class ModelRunner:
@@ -315,8 +321,8 @@ class ModelRunner:
         if name is None or self.expert_cache.resident_table is not None:
             return None
         blocks = self.model.moe_blocks()
-        prefetcher = Prefetcher(
-            build_predictor(name, blocks), self.expert_cache, config.offload.prefetch_ahead
+        prefetcher = build_prefetcher(
+            name, blocks, self.expert_cache, config.offload.prefetch_ahead
         )
         for block in blocks:
             block.prefetcher = prefetcher
@@ -340,6 +346,9 @@ class ModelRunner:
                 self.prefetcher.token_requests = requests
             if cache.wants_routing:
                 cache.token_requests = requests
+        if self.prefetcher is not None and self.prefetcher.hash_routes is not None:
+            # hash-routed layers' experts follow from the token ids, host ints here: no sync
+            self.prefetcher.begin_step([t for s in batch.scheduled for t in _new_tokens(s)])
         if self.graphs is not None and self.graphs.qualifies(batch):
             logits = self.graphs.run(batch)
             if logits is not None:
@@ -352,7 +361,7 @@ class ModelRunner:
         blocks = self.kv_cache.blocks
         for s in batch.scheduled:
             r, start = s.request, s.request.num_computed_tokens
-            chunk = r.all_token_ids[start : start + s.num_new_tokens]
+            chunk = _new_tokens(s)
             blocks.allocate(r.request_id, start + len(chunk))
             spans.append(SeqSpan(r.request_id, len(ids), len(ids) + len(chunk), start))
             kv_spans.append((r.request_id, start, len(chunk)))

@@ -66,7 +66,9 @@ class V4HashRouter(_V4Router):
     """Experts fixed per token id (`tid2eid[token]`); the gate only weighs them."""
 
     tid2eid: torch.Tensor
-    needs_token_ids = True  # offload/predict.py: gate-lookahead skips this router
+    # offload/predict.py: gate-lookahead skips this router; HashRoutes reads `tid2eid` to
+    # prefetch its experts exactly from the step's token ids
+    needs_token_ids = True
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -23,8 +23,12 @@ order comes from `moe_layers=` or is learned from the calls observed (ascending 
 Registry: `same-index` (the baseline: the next layer needs the expert ids this one used -- no
 basis in standard MoEs, kept to measure against), `last-call` (the reference: the target layer
 needs what its own previous call used), `activation` (per-request expert activation
-matrices matched against a library of finished requests', after MoE-Infinity), and
-`gate-lookahead` (the target layer's router applied to this layer's router input).
+matrices matched against a library of finished requests', after MoE-Infinity),
+`gate-lookahead` (the target layer's router applied to this layer's router input), and `hash`
+(no guess at all: only the exact prefetch of hash-routed layers, below).
+
+Hash-routed layers (DeepSeek-V4's first layers: token t goes to experts `tid2eid[t]`) need no
+guess: `HashRoutes` looks their experts up from the step's token ids before any layer runs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Predictor:
 
     name = "predictor"
     needs_hidden = False  # True: predicts nothing without the router input (not from a trace)
+    needs_token_ids = False  # True: predicts nothing without the step's token ids (same)
 
     def __init__(self, moe_layers: Sequence[int] | None = None) -> None:
         self._fixed_layers = list(moe_layers) if moe_layers is not None else None
@@ -222,9 +227,11 @@ class GateLookaheadPredictor(Predictor):
         """From MoE blocks (anything with `.layer` and a `.gate` router module). A router that
         routes by token id (`needs_token_ids`: DeepSeek-V4's hash layers) cannot route a hidden
         state: its layer gets no prediction."""
-        return cls(
-            {int(b.layer): b.gate for b in blocks if not getattr(b.gate, "needs_token_ids", False)}
-        )
+        routers = {
+            int(b.layer): b.gate for b in blocks if not getattr(b.gate, "needs_token_ids", False)
+        }
+        # every MoE layer in the order, so a hash layer is a target (of no guess) from step one
+        return cls(routers, moe_layers=sorted(int(b.layer) for b in blocks))
 
     def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
         router = self.routers.get(target)
@@ -238,11 +245,84 @@ class GateLookaheadPredictor(Predictor):
         return _ranked(ids.flatten().tolist())
 
 
+class HashOnlyPredictor(Predictor):
+    """`hash`: guesses nothing. Whatever the predictor, the prefetcher prefetches hash-routed
+    layers exactly (`HashRoutes`, offload/prefetcher.py), since a known expert list beats any
+    guess and costs no sync; this name asks for that alone, with no guessed loads for the
+    learned-router layers (no bandwidth or slots spent on wrong guesses). A model without
+    hash-routed layers would prefetch nothing: refused."""
+
+    name = "hash"
+    needs_token_ids = True
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[Any]) -> HashOnlyPredictor:
+        layers = [int(b.layer) for b in blocks]
+        if not any(getattr(b.gate, "needs_token_ids", False) for b in blocks):
+            raise ConfigError(
+                "--prefetch hash prefetches hash-routed MoE layers (DeepSeek-V4's first "
+                "layers), and this model has none; pick another predictor or leave prefetch off"
+            )
+        return cls(layers)
+
+    def _predict(self, layer: int, target: int, n: int, hidden: torch.Tensor | None) -> list[int]:
+        return []
+
+
+class HashRoutes:
+    """The experts of hash-routed MoE layers for the current step, exactly: such a layer sends
+    token t to `tid2eid[t]` whatever the hidden state, so once the step's token ids are known
+    (the scheduler's batch, on the host) every hash layer's experts are. The tables are copied
+    to the host once, at build: a step's lookup is CPU indexing, never a device sync."""
+
+    def __init__(self, tables: Mapping[int, torch.Tensor]) -> None:
+        import torch
+
+        # [V, K] int32 per hash layer (the released V4: 129280 x 6, 3 MB a layer)
+        self.tables = {int(la): t.detach().to("cpu", torch.int32) for la, t in tables.items()}
+        widths = {t.shape[1] for t in self.tables.values()}
+        assert len(widths) <= 1, "hash layers of one model route to the same number of experts"
+        self.top_k = widths.pop() if widths else 0
+        self.tokens = 0  # tokens of the current step
+        self._experts: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[Any]) -> HashRoutes | None:
+        """From MoE blocks whose router `needs_token_ids` (it holds `tid2eid` [V, K]); None for a
+        model without hash-routed layers."""
+        tables = {
+            int(b.layer): b.gate.tid2eid
+            for b in blocks
+            if getattr(b.gate, "needs_token_ids", False)
+        }
+        return cls(tables) if tables else None
+
+    def begin_step(self, token_ids: Sequence[int]) -> None:
+        """The step's token ids ([T], in batch order): each hash layer's distinct experts in
+        ascending order, the order its fetch asks for them (MoEBlock: waves of ascending
+        experts), so a prefetch that runs out of slots brings the first wave's, not experts
+        that wave would evict before their turn."""
+        import torch
+
+        ids = torch.tensor(list(token_ids), dtype=torch.long)  # [T]
+        self.tokens = len(ids)
+        self._experts = {la: table[ids].unique().tolist() for la, table in self.tables.items()}
+
+    def experts(self, layer: int) -> list[int]:
+        """The current step's experts of hash layer `layer` ([] for any other layer)."""
+        return self._experts.get(layer, [])
+
+    def is_step(self, pairs: int) -> bool:
+        """Whether a MoE call of `pairs` routed (token, expert) pairs is this step's."""
+        return self.tokens > 0 and pairs == self.tokens * self.top_k
+
+
 PREDICTORS: dict[str, Callable[..., Predictor]] = {
     "same-index": SameIndexPredictor,
     "last-call": LastCallPredictor,
     "activation": ActivationPredictor,
     "gate-lookahead": GateLookaheadPredictor,
+    "hash": HashOnlyPredictor,
 }
 
 

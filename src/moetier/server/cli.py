@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 _PUBLIC_FLAG = "--allow-public-without-key"
 PREFETCH_HELP = (
     "next-layer expert prefetch: a predictor of offload/predict.py (same-index, last-call, "
-    "activation, gate-lookahead); "
-    "default: off; only acts when experts are offloaded"
+    "activation, gate-lookahead, hash); hash-routed layers (DeepSeek-V4) are prefetched "
+    "exactly with any of them, `hash` alone; default: off; only acts when experts are offloaded"
 )
 PREFIX_CACHING_HELP = (
     "reuse the KV blocks of earlier requests' identical prompt prefixes instead of recomputing "
