@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from moetier.offload import device_cache
 from moetier.offload.device_cache import DeviceCache
 from moetier.offload.stats import OffloadStats
 from tests.unit.test_expert_ffn import _run_in_interpreter
@@ -67,6 +70,38 @@ def test_unknown_policy() -> None:
 def test_pool_smaller_than_a_layer_is_refused() -> None:
     with pytest.raises(ValueError, match="4 experts to fit the pool \\(3 slots\\)"):
         DeviceCache(torch.zeros(3, ROW), torch.zeros(L * E, ROW), torch.zeros(L, E), E, 12)
+
+
+class _GraphUnsafe(TorchDispatchMode):
+    """Fails an op that a CUDA graph capture of `resolve` would refuse, seen on meta tensors
+    (no data): a host tensor argument; an index_put_ of a 0-dim value (`t[idx] = scalar`, whose
+    scalar CUDA stages on the host and copies). Meta tensors also fail every op that needs the
+    data on the host (bincount's size, .item(), nonzero)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and a.device.type == "cpu":
+                raise AssertionError(f"{func} takes a host tensor {tuple(a.shape)}")
+        if func in (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default):
+            assert args[2].dim() > 0, f"{func} of a scalar: staged on the host on CUDA"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["lru", "layer-lru"])
+def test_resolve_is_capturable(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve's ops on meta tensors: nothing reads data on the host or stages a scalar there
+    (on the H100 `need[ids] = True` and bincount made every decode-graph capture fail)."""
+    cache = _cache(policy)
+    for name in ("pool", "host_pool", "host_row", "slot_of", "key_of", "last_use", "clock"):
+        setattr(cache, name, getattr(cache, name).to("meta"))
+    cache.counters, cache._arange_e = cache.counters.to("meta"), cache._arange_e.to("meta")
+    fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+    monkeypatch.setattr(device_cache, "fill_slots", lambda h, p, src, dst: fills.append((src, dst)))
+    ids = torch.tensor([[0, 1], [3, 1]]).to("meta")
+    with _GraphUnsafe():
+        slots = cache.resolve(1, ids)
+    assert slots.shape == (2, 2) and slots.dtype == torch.int32 and len(fills) == 1
 
 
 _FILL = """
