@@ -49,6 +49,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_server_model(tmp_path_factory.mktemp("tiny") / "tiny-moe")
 
 
+def wait_idle(server: LiveServer, timeout_s: float = 30.0) -> dict[str, float]:
+    """/health once nothing runs or waits (the last response may precede the step that frees
+    its request); /health also checks KV and expert-cache integrity."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = server.health()
+        if h["num_requests_running"] == 0 and h["num_requests_waiting"] == 0:
+            return h
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+
+
 def start_server(model: Path, log_path: Path, *extra: str) -> LiveServer:
     return wait_until_up(launch_server(model, log_path, *extra))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from moetier import LLM, SamplingParams
-from tests.server.conftest import DEVICE, LiveServer
+from tests.server.conftest import DEVICE, LiveServer, wait_idle
 
 # 16 prompts of mixed lengths (3..60 tokens) and mixed output lengths (4..40 tokens).
 _rng = random.Random(0)
@@ -55,17 +54,6 @@ async def _run_all(server: LiveServer, stream: bool) -> list[list[int]]:
         await client.close()
 
 
-def _idle(server: LiveServer, timeout_s: float = 30.0) -> dict[str, float]:
-    """Wait until nothing runs; /health also checks KV and expert-cache integrity."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = server.health()
-        if h["num_requests_running"] == 0 and h["num_requests_waiting"] == 0:
-            return h
-        assert time.monotonic() < deadline, h
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def roomy(serve: Callable[..., LiveServer]) -> LiveServer:
     return serve("--max-num-seqs", "16", "--expert-budget", "50%")
@@ -83,13 +71,13 @@ def cramped(serve: Callable[..., LiveServer]) -> LiveServer:
 def test_16_concurrent_equal_alone(roomy: LiveServer, reference: list[list[int]]) -> None:
     assert asyncio.run(_run_all(roomy, stream=False)) == reference
     assert asyncio.run(_run_all(roomy, stream=True)) == reference
-    h = _idle(roomy)
+    h = wait_idle(roomy)
     assert h["kv_blocks_used"] == 0 and h["num_preemptions"] == 0
 
 
 def test_preemption_keeps_tokens_identical(cramped: LiveServer, reference: list[list[int]]) -> None:
     assert asyncio.run(_run_all(cramped, stream=True)) == reference
-    h = _idle(cramped)
+    h = wait_idle(cramped)
     assert h["num_preemptions"] > 0 and h["kv_blocks_used"] == 0
 
 
@@ -107,5 +95,5 @@ def test_disconnect_mid_stream_frees_everything(roomy: LiveServer) -> None:
                     got += len(json.loads(line[6:])["choices"][0]["text"]) >= 0
                 if got >= 3:
                     break  # leave: closing the client drops the connection mid-stream
-    h = _idle(roomy)
+    h = wait_idle(roomy)
     assert h["kv_blocks_used"] == 0 and h["status"] == "ok"  # integrity checked by /health

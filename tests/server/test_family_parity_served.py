@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,13 @@ import pytest
 
 from tests.models.families import FAMILIES
 from tests.models.parity import hf_greedy, hf_model
-from tests.server.conftest import LiveServer, launch_server, stop_server, wait_until_up
+from tests.server.conftest import (
+    LiveServer,
+    launch_server,
+    stop_server,
+    wait_idle,
+    wait_until_up,
+)
 from tests.server.tiny import VOCAB, save_byte_tokenizer
 
 NEW = 10
@@ -63,18 +68,6 @@ async def _complete_all(server: LiveServer) -> list[list[int]]:
         return list(await asyncio.gather(*(one(client, p) for p in PROMPTS)))
 
 
-def _idle(server: LiveServer, timeout_s: float = 30.0) -> dict[str, float]:
-    """Fresh counters once nothing runs or waits (the last response may precede the step
-    that frees its request)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = server.health()
-        if h["num_requests_running"] == 0 and h["num_requests_waiting"] == 0:
-            return h
-        assert time.monotonic() < deadline, h
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_served_concurrent_preempted_equal_transformers(family: str, tmp_path: Path) -> None:
     path = FAMILIES[family].checkpoint(tmp_path / family, vocab_size=VOCAB)
@@ -88,7 +81,7 @@ def test_served_concurrent_preempted_equal_transformers(family: str, tmp_path: P
         got = asyncio.run(_complete_all(server))
         for prompt, tokens, expected in zip(PROMPTS, got, want):
             assert tokens == expected, f"token mismatch for the {len(prompt)}-token prompt"
-        health = _idle(server)
+        health = wait_idle(server)
         assert health["status"] == "ok" and health["kv_blocks_used"] == 0, health
         assert health["kv_blocks_total"] == KV_BLOCKS, health
         assert health["num_preemptions"] > 0, health  # the cramped pool did preempt
