@@ -33,7 +33,13 @@ def test_int8_graph_replays_equal_eager_int8(ckpt: Path, budget: str | None) -> 
     eager = LLM(str(ckpt), cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt), cuda_graphs=True, piecewise_graphs=True, **kw)
     want = moetier_greedy(eager, PROMPTS)
-    assert moetier_greedy(graphs, PROMPTS) == want
+    assert moetier_greedy(graphs, PROMPTS) == want  # batch of mixed lengths
+    # Each alone too, as tests/gpu/test_gpu_graphs.py does: a piecewise step qualifies only
+    # when batch x top-k fits the slot pool (engine/graphs.py), and at 50% the batch of three
+    # never does for qwen2_moe and qwen3_moe (3 x top-4 = 12 pairs, 8 slots), int8 or not;
+    # one sequence (top-k pairs) always does.
+    alone = [moetier_greedy(eager, [p])[0] for p in PROMPTS]
+    assert [moetier_greedy(graphs, [p])[0] for p in PROMPTS] == alone
     runner = graphs.engine.runner
     assert runner.graphs is not None and runner.graphs.replays > 0, "graphs never replayed"
     assert not runner.graphs.failed, runner.graphs.failed
@@ -45,7 +51,9 @@ def test_lossy_formats_keep_logits_close(ckpt: Path, fmt: str) -> None:
     """Float32 model: the lossy cache moves the prompt logits on CUDA by no more than it moves
     them on the CPU (the same quantization; the CPU suite checks it against a reference), plus
     0.02. The shift itself depends on the family: measured on the CPU, int8 moved these tiny
-    checkpoints' logits (max |logit| ~2-7) by 0.034 (qwen3_moe) to 0.96 (gemma4)."""
+    checkpoints' logits (max |logit| ~2-7) by 0.034 (qwen3_moe) to 0.96 (gemma4: a near-tied
+    router flipped by the int8 error, the same shift as transformers with reference int8 K/V,
+    tests/models/test_kv_int8_parity.py)."""
 
     def shift(device: str) -> float:
         kw = dict(device=device, dtype="float32", progress=False)
