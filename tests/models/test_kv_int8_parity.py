@@ -2,7 +2,8 @@
 and V quantized per (token, head) in numpy (engine/kv_cache.py's format written from its
 definition, none of its code). moetier's int8 prompt logits equal that reference's, so however
 far int8 moves a family's logits, the format moved them, not the way a layer writes or reads
-the cache (quantizing twice, attending to fresh K/V, scales over the wrong axis, windows).
+the cache (checked: a prefill attending to fresh K/V, or scales over all heads of a token,
+fails it by 0.04 to 2.8).
 
 Gemma 4 is the case that asked for it (issue #23): int8 moves its tiny checkpoint's logits by
 0.96 on the 13-token prompt. The reference moves them by the same 0.96. The cause is the
