@@ -86,6 +86,8 @@ def test_prefill_replays_equal_eager_prefill(ckpt: Path, kernel: str) -> None:
     stats, want = llm.offload_stats(), eager.offload_stats()
     assert stats["prefill_graph_replays"] == graphs.replays
     assert want["prefill_graph_replays"] == 0
+    decode = llm.engine.runner.graphs
+    assert decode is not None and stats["decode_graph_replays"] == decode.replays > 0
     # the host counters count the prompts' tokens as the eager steps do, never the pads
     counted = ("_steps", "resident_lookups", "moe_calls", "token_lookups")
     keys = [k for k in want if any(c in k for c in counted)]
