@@ -260,6 +260,13 @@ class EngineConfig:
     # to the next, the host deciding fetches and slots in between (engine/graphs.py). None =
     # on with cuda_graphs (H200, DeepSeek-V2-Lite shape, 25%: 104 -> 54 ms a token).
     piecewise_graphs: bool | None = None
+    # Replay the prefill of a fresh prompt (nothing cached before it, computed whole, one per
+    # step) as a CUDA graph per length bucket (engine/prefill_graphs.py), under the decode
+    # whole-graph rule (every expert resident, or the device cache). None = on with cuda_graphs.
+    prefill_graphs: bool | None = None
+    # The largest prefill graph bucket in tokens; the buckets are the powers of two from 16
+    # below it, then it. A longer prompt prefills eagerly.
+    prefill_graph_max_tokens: int = 512
     # Torch CPU threads (threads.py): None = auto on a CPU device (usable cores less the other
     # work on the machine, at least 1) and torch's own choice on CUDA; an int >= 1 is used as is.
     threads: int | None = None
@@ -267,3 +274,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.threads is not None:
             _at_least_1("threads", self.threads, "torch CPU threads; None = auto")
+        _at_least_1(
+            "prefill_graph_max_tokens",
+            self.prefill_graph_max_tokens,
+            "tokens of the largest CUDA-graph prefill bucket",
+        )

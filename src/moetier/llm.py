@@ -114,6 +114,8 @@ class LLM:
         fused_kernels: bool | None = None,
         cuda_graphs: bool | None = None,
         piecewise_graphs: bool | None = None,
+        prefill_graphs: bool | None = None,
+        prefill_graph_max_tokens: int = 512,
         num_kv_blocks: int | None = None,
         kv_block_size: int = 16,
         max_model_len: int | None = None,
@@ -177,6 +179,8 @@ class LLM:
             fused_kernels=fused_kernels,
             cuda_graphs=cuda_graphs,
             piecewise_graphs=piecewise_graphs,
+            prefill_graphs=prefill_graphs,
+            prefill_graph_max_tokens=prefill_graph_max_tokens,
             threads=threads,
         )
         self.tokenizer = load_tokenizer(model)

@@ -22,6 +22,10 @@ _STEPS_DOC = (
     "Engine steps that ran the model: step=decode when every request adds one token, "
     "step=prefill when any prompt chunk runs"
 )
+_REPLAYS_DOC = (
+    "Forwards replayed as CUDA graphs: step=decode for decode steps, step=prefill for fresh "
+    "prompts (one per step, within the largest bucket); the rest ran eagerly"
+)
 _CALLS_DOC = (
     "MoE layer calls; routing=host: routing ids synced to the host (distinct experts measured), "
     "routing=device: all-resident slot table, no sync (distinct experts not measured)"
@@ -96,6 +100,8 @@ _COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
     ),
     "decode_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "decode"}),
     "prefill_steps": ("moetier:engine_steps", _STEPS_DOC, {"step": "prefill"}),
+    "decode_graph_replays": ("moetier:cuda_graph_replays", _REPLAYS_DOC, {"step": "decode"}),
+    "prefill_graph_replays": ("moetier:cuda_graph_replays", _REPLAYS_DOC, {"step": "prefill"}),
 }
 
 

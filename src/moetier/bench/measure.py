@@ -42,6 +42,8 @@ _COUNTERS = (
     "prefetches_in_time",
     "prefetches_cancelled",
     "prefetch_wasted_bytes",
+    "decode_graph_replays",
+    "prefill_graph_replays",
 )
 GREEDY_CHECK_TOKENS = 8
 
@@ -413,6 +415,9 @@ def _metrics(
         prefill_disk_bytes=pre["bytes_disk_to_host"] / iters,
         prefill_exposed_fetch_ms=pre["exposed_fetch_s"] * 1e3 / iters,
         prefill_miss_host_ms=pre["miss_host_s"] * 1e3 / iters,
+        # Steps of the timed pass replayed as CUDA graphs (prompt steps: fresh prompts only).
+        decode_graph_replays=int(c["decode_graph_replays"] + pre["decode_graph_replays"]),
+        prefill_graph_replays=int(c["prefill_graph_replays"] + pre["prefill_graph_replays"]),
         # Prefetch counters over the timed decode steps (all 0 with prefetch off).
         **{k: int(c[k]) for k in _COUNTERS if k.startswith("prefetch")},
     )

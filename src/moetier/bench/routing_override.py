@@ -126,12 +126,19 @@ class OverrideGate(nn.Module):
         self.staged: torch.Tensor | None = None  # [T, K] device ids of the staged call
         self._staging: dict[int, torch.Tensor] = {}  # T -> its fixed device buffer
 
-    def stage(self, num_tokens: int, device: torch.device) -> None:
-        """Draw the next call's ids now, into the fixed buffer for `num_tokens` tokens."""
+    def stage(self, num_tokens: int, device: torch.device, rows: int | None = None) -> None:
+        """Draw the next call's ids for `num_tokens` tokens now, into the fixed buffer of
+        `rows` rows (default `num_tokens`). A padded prefill graph (engine/prefill_graphs.py)
+        stages its real tokens' draw, as eager would draw it, and gives its pad rows after
+        them experts 0 .. K-1."""
         ids = self.source.ids(self.index, num_tokens)  # [T, K]
-        buf = self._staging.get(num_tokens)
+        rows = num_tokens if rows is None else rows
+        if rows > num_tokens:
+            pad = torch.arange(ids.shape[1], dtype=ids.dtype).expand(rows - num_tokens, -1)
+            ids = torch.cat([ids, pad])  # [rows, K]
+        buf = self._staging.get(rows)
         if buf is None:
-            buf = self._staging[num_tokens] = torch.empty_like(ids, device=device)
+            buf = self._staging[rows] = torch.empty_like(ids, device=device)
         buf.copy_(ids)
         self.staged = buf
 
@@ -141,7 +148,10 @@ class OverrideGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> ids [T, K] int64, weights [T, K] float32."""
         if self.staged is not None:
-            ids = self.staged
+            # a call of fewer tokens than staged rows is the eager run of a padded step whose
+            # capture failed: its real tokens are the first rows
+            assert self.staged.shape[0] >= x.shape[0], "staged ids for fewer tokens"
+            ids = self.staged[: x.shape[0]]
         else:
             ids = self.source.ids(self.index, x.shape[0]).to(x.device)  # [T, K]
         weight: torch.Tensor = self.inner.weight  # type: ignore[assignment]

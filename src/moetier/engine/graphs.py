@@ -21,7 +21,8 @@ experts are sure to fit in the slot pool at once (batch x top-k <= slots).
 
 Graphs are keyed by (batch size, history width in KV blocks, rounded up to a power of two) and
 captured on first use: per step the host does one small copy of token ids, lengths and block
-tables. Anything else (prefill, a capture that fails) runs eagerly, unchanged. A router fed from
+tables. Anything else (a capture that fails, prefill but for a fresh prompt's, which
+engine/prefill_graphs.py replays) runs eagerly, unchanged. A router fed from
 the host (the bench's routing override) is staged before each replay: its ids for this step go
 into a fixed buffer that the captured forward reads.
 """
@@ -184,6 +185,7 @@ class DecodeGraphs:
             for gate in self.staged:
                 gate.unstage()
         self.replays += 1
+        self.runner.stats.decode_graph_replays += 1
         return g.logits.clone()  # the pool is shared: detach the result from the next replay
 
     def unstage(self) -> None:

@@ -196,20 +196,27 @@ class PagedKVCache:
         self.layout = layout
         self.format = fmt
         n = blocks.num_blocks * blocks.block_size
+        # One scratch slot past the blocks, in no block table: the pad tokens of a CUDA-graph
+        # prefill (engine/prefill_graphs.py) write their K/V here, so a real token's K/V is
+        # never overwritten and no block is taken from the scheduler. Not in `bytes()`.
+        self.pad_slot = n
         # Zeros, not empty: padded decode rows read slot 0 with weight 0, and 0 * NaN is NaN.
-        self._k: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dk]
-        self._v: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv, dv]
-        self._k_scale: dict[int, torch.Tensor] = {}  # layer -> [S, Hkv] float32 (int8, fp8)
+        self._k: dict[int, torch.Tensor] = {}  # layer -> [S + 1, Hkv, dk]
+        self._v: dict[int, torch.Tensor] = {}  # layer -> [S + 1, Hkv, dv]
+        self._k_scale: dict[int, torch.Tensor] = {}  # layer -> [S + 1, Hkv] float32 (int8, fp8)
         self._v_scale: dict[int, torch.Tensor] = {}
+        rows = n + 1  # the blocks' slots, then the pad slot
         for layer, spec in layout.items():
-            self._k[layer] = torch.zeros(n, *spec.k, dtype=fmt.storage, device=device)
+            self._k[layer] = torch.zeros(rows, *spec.k, dtype=fmt.storage, device=device)
             if fmt.scaled:
-                self._k_scale[layer] = torch.zeros(n, spec.k[0], dtype=SCALE_DTYPE, device=device)
+                self._k_scale[layer] = torch.zeros(
+                    rows, spec.k[0], dtype=SCALE_DTYPE, device=device
+                )
             if spec.v is not None:
-                self._v[layer] = torch.zeros(n, *spec.v, dtype=fmt.storage, device=device)
+                self._v[layer] = torch.zeros(rows, *spec.v, dtype=fmt.storage, device=device)
                 if fmt.scaled:
                     self._v_scale[layer] = torch.zeros(
-                        n, spec.v[0], dtype=SCALE_DTYPE, device=device
+                        rows, spec.v[0], dtype=SCALE_DTYPE, device=device
                     )
 
     @property
@@ -263,8 +270,11 @@ class PagedKVCache:
         return self.blocks.free(seq_id)
 
     def bytes(self) -> int:
+        """Bytes of the blocks' slots (what the KV budget buys; the pad slot, one token, is
+        left out)."""
         pools = (*self._k.values(), *self._v.values(), *self._k_scale.values())
-        return sum(t.numel() * t.element_size() for t in (*pools, *self._v_scale.values()))
+        n = self.pad_slot
+        return sum(t[:n].numel() * t.element_size() for t in (*pools, *self._v_scale.values()))
 
     def build_batch(self, spans: list[tuple[int, int, int]], total: int) -> KVBatch:
         """spans: (seq_id, past, num_new) in flattened order covering `total` tokens."""

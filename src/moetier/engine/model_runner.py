@@ -18,6 +18,7 @@ from moetier.engine.batch import ScheduledRequest, SchedulerOutput
 from moetier.engine.graphs import DecodeGraphs
 from moetier.engine.kv_cache import build_kv_cache, kv_bytes_per_token, kv_layout, resolve_kv_format
 from moetier.engine.memory_split import MemorySplit, placed_bytes, split_memory
+from moetier.engine.prefill_graphs import PrefillGraphs
 from moetier.engine.state_cache import RecurrentStateCache, build_state_cache, state_layout
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
@@ -271,6 +272,9 @@ class ModelRunner:
                 log.info("CUDA graphs are off for %s (recurrent-state layers)", family.name)
             else:
                 self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.graphs is not None and config.prefill_graphs is not False:
+            self.prefill_graphs = PrefillGraphs(self, config.prefill_graph_max_tokens)
 
     def _split_memory(
         self, config: EngineConfig, layout: ExpertLayout
@@ -349,10 +353,11 @@ class ModelRunner:
         if self.prefetcher is not None and self.prefetcher.hash_routes is not None:
             # hash-routed layers' experts follow from the token ids, host ints here: no sync
             self.prefetcher.begin_step([t for s in batch.scheduled for t in _new_tokens(s)])
-        if self.graphs is not None and self.graphs.qualifies(batch):
-            logits = self.graphs.run(batch)
-            if logits is not None:
-                return logits
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.qualifies(batch):
+                logits = graphs.run(batch)
+                if logits is not None:
+                    return logits
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -378,8 +383,9 @@ class ModelRunner:
         try:
             hidden = self.model(input_ids, ctx)  # [T, D]
         finally:
-            if self.graphs is not None:  # a failed capture left this step's routing staged
-                self.graphs.unstage()
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None:  # a failed capture left this step's routing staged
+                    graphs.unstage()
         rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])  # [N, V]
 

@@ -54,6 +54,10 @@ class OffloadStats:
     # rule of the CUDA-graph path); prefill = any prompt chunk, with or without decodes.
     decode_steps: int = 0
     prefill_steps: int = 0
+    # Forwards replayed as CUDA graphs instead of launched from Python: decode steps
+    # (engine/graphs.py, whole or piecewise) and fresh prompts (engine/prefill_graphs.py).
+    decode_graph_replays: int = 0
+    prefill_graph_replays: int = 0
     # MoE layer calls and their (token, expert) pairs before the per-step dedup across the batch
     # (the sum over the step's requests of the experts each asked for), by the kind of step and
     # by where routing was resolved. host: the routing ids went to the host (the layer's one
