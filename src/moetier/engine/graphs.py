@@ -17,7 +17,8 @@ ids (the layer's one routing sync, as in eager), fetches the missing experts exa
 path does (`MoEBlock.slot_wave`) and copies the slot ids in. Per layer the host then does one
 sync, its cache decisions and one replay instead of launching every kernel from Python. A step
 qualifies when, on top of the rules above (resident experts aside), every layer's distinct
-experts are sure to fit in the slot pool at once (batch x top-k <= slots).
+experts are sure to fit in the slot pool at once (min(batch x top-k, experts per layer) <=
+slots).
 
 Graphs are keyed by (batch size, history width in KV blocks, rounded up to a power of two) and
 captured on first use: per step the host does one small copy of token ids, lengths and block
@@ -130,8 +131,10 @@ class DecodeGraphs:
         if not sched or len(sched) > self.max_batch:
             return False
         pairs = len(sched) * self.top_k
-        # piecewise: every layer's distinct experts must fit the slot pool in one wave
-        if self.offloaded and (not self.piecewise or pairs > self.runner.expert_cache.max_batch):
+        # piecewise: every layer's distinct experts must fit the slot pool in one wave; a layer
+        # has at most num_experts of them, however many pairs ask
+        distinct = min(pairs, self.runner.num_experts)
+        if self.offloaded and (not self.piecewise or distinct > self.runner.expert_cache.max_batch):
             return False
         if not graph_safe(self.blocks, pairs, piecewise=self.offloaded):
             return False
