@@ -49,6 +49,7 @@ cases = [
     ((64, 32), ("gguf-q8_0",) * 3),
     ((256, 256), ("gguf-q4_k", "gguf-q4_k", "gguf-q6_k")),
     ((256, 256), ("gguf-q5_k",) * 3),
+    ((512, 256), ("gguf-q6_k", "gguf-q6_k", "gguf-q4_k")),  # two super-blocks per gate/up row
 ]
 for (d, i), names in cases:
     codecs = tuple(get_codec(n) for n in names)

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.kernels._slot_tiles_triton import weight_tile
-from moetier.kernels.slot_layout import SlotLayout, dense_layout
+from moetier.kernels._slot_tiles_triton import dot_chunk
+from moetier.kernels.slot_layout import SlotLayout, chunk_cols, dense_layout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs.
 
@@ -34,7 +34,7 @@ def _gate_up_act(
     UP_OFF,
     S_OFF,
     BR,
-    BC,
+    BC: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -49,16 +49,11 @@ def _gate_up_act(
     rmask = rows < NI
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    x_row = x_ptr + t * D
     for k0 in range(0, D, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        cmask = cols < D
-        xv = tl.load(x_ptr + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cmask[None, :]
-        r, c = rows[:, None], cols[None, :]
-        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt).to(tl.float32)  # [BN, BK]
-        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt).to(tl.float32)
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
+        acc_g += dot_chunk(base, rows, rmask, x_row, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K)
+        acc_u += dot_chunk(base + UP_OFF, rows, rmask, x_row, k0, D, S_OFF, BR, BC, dt, FMT,
+                           BLOCK_K)  # fmt: skip
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
@@ -79,7 +74,7 @@ def _down_combine(
     DOWN_OFF,
     S_OFF,
     BR,
-    BC,
+    BC: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,13 +91,8 @@ def _down_combine(
         base = pool_ptr + slot * stride_slot + DOWN_OFF
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, NI, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < NI
-            hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
-            m2 = rmask[:, None] & cmask[None, :]
-            wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FMT)
-            wd = wd.to(dt).to(tl.float32)  # [BN, BK]
-            acc += tl.sum(wd * hv[None, :], axis=1)
+            acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
+                             BLOCK_K)  # fmt: skip
         w = tl.load(w_ptr + p).to(tl.float32)
         y = (acc.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         out = (out + y).to(dt).to(tl.float32)
@@ -122,7 +112,7 @@ def _down_pair(
     DOWN_OFF,
     S_OFF,
     BR,
-    BC,
+    BC: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -138,13 +128,8 @@ def _down_pair(
     base = pool_ptr + slot * stride_slot + DOWN_OFF
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < NI
-        hv = tl.load(h_ptr + p * NI + cols, mask=cmask, other=0.0).to(tl.float32)
-        m2 = rmask[:, None] & cmask[None, :]
-        wd = weight_tile(base, rows[:, None], cols[None, :], m2, NI, S_OFF, BR, BC, FMT)
-        wd = wd.to(dt).to(tl.float32)
-        acc += tl.sum(wd * hv[None, :], axis=1)
+        acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
+                         BLOCK_K)  # fmt: skip
     w = tl.load(w_ptr + p).to(tl.float32)
     y = (acc.to(dt).to(tl.float32) * w).to(dt)
     tl.store(y_ptr + p * D + rows, y, mask=rmask)
@@ -210,6 +195,7 @@ def gate_up(
 ) -> None:
     d = x.shape[1]
     layout = layout or dense_layout(d, inter)
+    bk = chunk_cols(cfg.up_bk, layout.gate_up_format, layout)
     _gate_up_act[(slots.numel(), triton.cdiv(inter, cfg.up_bn))](
         x,
         pool,
@@ -223,7 +209,7 @@ def gate_up(
         *_scale_args(layout),
         layout.gate_up_format,
         BLOCK_N=cfg.up_bn,
-        BLOCK_K=cfg.up_bk,
+        BLOCK_K=bk,
         num_warps=cfg.up_warps,
         num_stages=cfg.up_stages,
     )
@@ -242,8 +228,9 @@ def down(
     t, k = slots.shape
     d = out.shape[1]
     layout = layout or dense_layout(d, inter)
+    bk = chunk_cols(cfg.down_bk, layout.down_format, layout)
     tile = dict(
-        BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, num_warps=cfg.down_warps,
+        BLOCK_N=cfg.down_bn, BLOCK_K=bk, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )  # fmt: skip
     rows = triton.cdiv(d, cfg.down_bn)

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.kernels._slot_tiles_triton import weight_tile
+from moetier.kernels._slot_tiles_triton import tile_cols, weight_tile_kn
 from moetier.kernels.grouped_ffn import align
-from moetier.kernels.slot_layout import SlotLayout, dense_layout
+from moetier.kernels.slot_layout import Q4_K, Q5_K, Q6_K, SlotLayout, chunk_cols, dense_layout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs,
 # BM pairs per block, NB blocks.
@@ -40,7 +40,7 @@ def _grouped_gate_up(
     UP_OFF,
     S_OFF,
     BR,
-    BC,
+    BC: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,17 +63,17 @@ def _grouped_gate_up(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        cols = tile_cols(k0, FMT, BLOCK_K)  # [BK], in the weight tile's order
         cmask = cols < D
         xa = tl.load(
             x_ptr + tok[:, None] * D + cols[None, :],
             mask=mmask[:, None] & cmask[None, :],
             other=0.0,
         )  # [BM, BK]
-        r, c = rows_n[None, :], cols[:, None]  # [BK, BN]: weight (n, k)
-        m2 = cmask[:, None] & nmask[None, :]
-        wg = weight_tile(base, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt)
-        wu = weight_tile(base + UP_OFF, r, c, m2, D, S_OFF, BR, BC, FMT).to(dt)
+        # [BK, BN]: weight (n, k)
+        wg = weight_tile_kn(base, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K, BLOCK_N)
+        wu = weight_tile_kn(base + UP_OFF, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT,
+                            BLOCK_K, BLOCK_N)  # fmt: skip
         if IEEE:  # float32 operands (an fp32 model, or bf16 upcast for the CPU interpreter)
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
@@ -106,7 +106,7 @@ def _grouped_down(
     DOWN_OFF,
     S_OFF,
     BR,
-    BC,
+    BC: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -128,16 +128,15 @@ def _grouped_down(
     dt = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = tile_cols(k0, FMT, BLOCK_K)
         cmask = cols < NI
         ha = tl.load(
             h_ptr + rows_m[:, None].to(tl.int64) * NI + cols[None, :],
             mask=cmask[None, :],
             other=0.0,
         )  # [BM, BK]
-        m2 = cmask[:, None] & nmask[None, :]
-        wd = weight_tile(base, rows_n[None, :], cols[:, None], m2, NI, S_OFF, BR, BC, FMT)
-        wd = wd.to(dt)  # [BK, BN]: down (n, k)
+        # [BK, BN]: down (n, k)
+        wd = weight_tile_kn(base, rows_n, nmask, k0, NI, S_OFF, BR, BC, dt, FMT, BLOCK_K, BLOCK_N)
         if IEEE:
             ha, wd = ha.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(ha, wd, acc, input_precision="ieee")
@@ -276,6 +275,19 @@ def choose_config(pairs: int, max_experts: int) -> GroupedConfig:
     return CONFIGS[-1][1]
 
 
+# GGUF K-quant tiles span a 256-column super-block: at most this many weight rows per tile
+# and one pipeline stage keep the decoded [256, BN] tile in registers and shared memory.
+KQUANT_MAX_BN = 64
+
+
+def _tile(bn: int, bk: int, stages: int, fmt: int, layout: SlotLayout) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages) of one GEMM for its weights' format."""
+    bk = chunk_cols(bk, fmt, layout)
+    if fmt in (Q4_K, Q5_K, Q6_K):
+        return min(bn, KQUANT_MAX_BN), bk, 1
+    return bn, bk, stages
+
+
 def grouped_ffn_triton(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -315,19 +327,21 @@ def grouped_ffn_triton(
     ieee = x.dtype == torch.float32 or not x.is_cuda
     layout = layout or dense_layout(d, inter)
     scales = (layout.scales, layout.block[0], layout.block[1])
+    up = _tile(cfg.up_bn, cfg.up_bk, cfg.up_stages, layout.gate_up_format, layout)
     h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
-    _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
+    _grouped_gate_up[(nb, triton.cdiv(inter, up[0]))](
         x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *scales,
         layout.gate_up_format,
-        BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=cfg.up_bk, IEEE=ieee,
-        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+        BLOCK_M=cfg.bm, BLOCK_N=up[0], BLOCK_K=up[1], IEEE=ieee,
+        num_warps=cfg.up_warps, num_stages=up[2],
     )  # fmt: skip
+    dn = _tile(cfg.down_bn, cfg.down_bk, cfg.down_stages, layout.down_format, layout)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
-    _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
+    _grouped_down[(nb, triton.cdiv(d, dn[0]))](
         h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *scales,
         layout.down_format,
-        BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=cfg.down_bk, IEEE=ieee,
-        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        BLOCK_M=cfg.bm, BLOCK_N=dn[0], BLOCK_K=dn[1], IEEE=ieee,
+        num_warps=cfg.down_warps, num_stages=dn[2],
     )  # fmt: skip
     _combine_masked[(t, triton.cdiv(d, 512))](y, slots, out, k, d, ACCUM=accum, BLOCK=512)
     return out

@@ -80,3 +80,185 @@ def weight_tile(base, rows, cols, mask, COLS, S_OFF, BR, BC, FMT: tl.constexpr):
                 d = _f16_at(base, blk)
                 dmin = _f16_at(base, blk + 2)
                 return (d * sc) * q.to(tl.float32) - dmin * mn
+
+
+@triton.jit
+def _dot_q4k(base, r, x_row, k0, COLS, dt: tl.constexpr, FMT: tl.constexpr):
+    """Q4_K / Q5_K: one super-block (256 columns from k0) of each row r [BN] against x."""
+    w_lo, w_hi = _q4k_rows(base, r, k0, COLS, dt, FMT)  # [BN, 4, 32]
+    j = tl.arange(0, 4)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    x_lo = tl.load(x_row + k0 + 64 * j + lane).to(tl.float32)  # [1, 4, 32]
+    x_hi = tl.load(x_row + k0 + 64 * j + 32 + lane).to(tl.float32)
+    part = w_lo.to(tl.float32) * x_lo + w_hi.to(tl.float32) * x_hi
+    return tl.sum(tl.sum(part, axis=2), axis=1)
+
+
+@triton.jit
+def _dot_q6k(base, r, x_row, k0, COLS, dt: tl.constexpr):
+    """Q6_K: one super-block (256 columns from k0) of each row r [BN] against x."""
+    w0, w1 = _q6k_rows(base, r, k0, COLS, dt)  # [BN, 2, 4, 16]
+    h = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 4)[None, None, :, None]
+    s = tl.arange(0, 16)[None, None, None, :]
+    col = k0 + 128 * h + 16 * g + s  # [1, 2, 4, 16]
+    x0 = tl.load(x_row + col).to(tl.float32)
+    x1 = tl.load(x_row + col + 64).to(tl.float32)
+    part = w0.to(tl.float32) * x0 + w1.to(tl.float32) * x1
+    return tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _dot_q8_0(base, r, x_row, k0, COLS, dt: tl.constexpr, BK: tl.constexpr):
+    """Q8_0: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]."""
+    kb = tl.arange(0, BK // 32)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    col = k0 + 32 * kb + lane  # [1, NB, 32]
+    cmask = col < COLS
+    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, NB, 1]
+    blk = (r[:, None, None] * (COLS // 32) + k0 // 32 + kb) * 34  # [BN, NB, 1]
+    q = tl.load((base + blk + 2 + lane).to(tl.pointer_type(tl.int8)), mask=cmask, other=0)
+    d = tl.load((base + blk).to(tl.pointer_type(tl.float16)), mask=kbm, other=0.0)
+    w = (q.to(tl.float32) * d.to(tl.float32)).to(dt).to(tl.float32)
+    xv = tl.load(x_row + col, mask=cmask, other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(w * xv, axis=2), axis=1)
+
+
+@triton.jit
+def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
+              dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """[BN] float32: each row of the [*, COLS] matrix at `base` (rows [BN], rmask) dotted with
+    x_row[k0 : k0 + BK], the weights decoded as `weight_tile` does and rounded to `dt` first.
+    Compressed formats load their block fields once per (row, block), not per element: GGUF
+    K-quants need BK = 256 (one super-block per row), Q8_0 a multiple of 32 and FP8 a BK
+    that divides BC (one scale per row); other FP8 blocks take `weight_tile`."""
+    if FMT == 0 or (FMT == 1 and BC % BK != 0):
+        cols = k0 + tl.arange(0, BK)
+        cmask = cols < COLS
+        xv = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        m2 = rmask[:, None] & cmask[None, :]
+        w = weight_tile(base, rows[:, None], cols[None, :], m2, COLS, S_OFF, BR, BC, FMT)
+        return tl.sum(w.to(dt).to(tl.float32) * xv[None, :], axis=1)
+    elif FMT == 1:  # FP8 e4m3: the chunk lies in one column block, one scale per row
+        cols = k0 + tl.arange(0, BK)
+        cmask = cols < COLS
+        xv = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        m2 = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None].to(tl.int64) * COLS + cols[None, :]
+        v = tl.load(base.to(tl.pointer_type(tl.float8e4nv)) + offs, mask=m2, other=0.0)
+        scale_cols = (COLS + BC - 1) // BC
+        s_idx = (rows // BR).to(tl.int64) * scale_cols + k0 // BC  # [BN]
+        s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + s_idx, mask=rmask, other=0.0)
+        w = (v.to(tl.float32) * s[:, None]).to(dt).to(tl.float32)
+        return tl.sum(w * xv[None, :], axis=1)
+    else:
+        r = tl.where(rmask, rows, 0).to(tl.int64)
+        if FMT == 2:
+            return _dot_q8_0(base, r, x_row, k0, COLS, dt, BK)
+        elif FMT == 5:
+            return _dot_q6k(base, r, x_row, k0, COLS, dt)
+        else:
+            return _dot_q4k(base, r, x_row, k0, COLS, dt, FMT)
+
+
+@triton.jit
+def _q4k_rows(base, r, k0, COLS, dt: tl.constexpr, FMT: tl.constexpr):
+    """Q4_K / Q5_K super-block rows decoded: (w_lo, w_hi) [BN, 4, 32] in dt, the elements
+    64j + lane and 64j + 32 + lane of the 256 columns from k0: the two nibbles of qs byte
+    32j + lane, scale and min of sub-blocks 2j and 2j + 1."""
+    ts = 144 if FMT == 3 else 176
+    qs = 16 if FMT == 3 else 48
+    blk = ((r * (COLS // 256) + k0 // 256) * ts)[:, None, None]
+    j = tl.arange(0, 4)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    qb = tl.load(base + blk + qs + 32 * j + lane).to(tl.int32)
+    q_lo = qb & 0x0F
+    q_hi = qb >> 4
+    if FMT == 4:
+        qh = tl.load(base + blk + 16 + lane).to(tl.int32)
+        q_lo = q_lo | (((qh >> (2 * j)) & 0x01) << 4)
+        q_hi = q_hi | (((qh >> (2 * j + 1)) & 0x01) << 4)
+    sc_lo, mn_lo = _k_scale_min(base, blk, 2 * j)
+    sc_hi, mn_hi = _k_scale_min(base, blk, 2 * j + 1)
+    d = _f16_at(base, blk)
+    dmin = _f16_at(base, blk + 2)
+    w_lo = ((d * sc_lo) * q_lo.to(tl.float32) - dmin * mn_lo).to(dt)
+    w_hi = ((d * sc_hi) * q_hi.to(tl.float32) - dmin * mn_hi).to(dt)
+    return w_lo, w_hi
+
+
+@triton.jit
+def _q6k_rows(base, r, k0, COLS, dt: tl.constexpr):
+    """Q6_K super-block rows decoded: (w0, w1) [BN, 2, 4, 16] in dt, the elements
+    128h + 16g + s and 128h + 64 + 16g + s of the 256 columns from k0. Element
+    i = 128h + 64a + 32b + l, with m = 32b + l = 16g + s: ql byte 64h + m (nibble a), qh byte
+    32h + l (bits 4a + 2b), scale 8h + 4a + g."""
+    blk = ((r * (COLS // 256) + k0 // 256) * 210)[:, None, None, None]
+    h = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 4)[None, None, :, None]
+    s = tl.arange(0, 16)[None, None, None, :]
+    ql = tl.load(base + blk + 64 * h + 16 * g + s).to(tl.int32)
+    qh = tl.load(base + blk + 128 + 32 * h + 16 * (g % 2) + s).to(tl.int32)
+    shift = 2 * (g // 2)
+    q0 = ((ql & 0x0F) | (((qh >> shift) & 0x03) << 4)) - 32
+    q1 = ((ql >> 4) | (((qh >> (shift + 4)) & 0x03) << 4)) - 32
+    sc_ptr = (base + blk + 192 + 8 * h + g).to(tl.pointer_type(tl.int8))
+    d = _f16_at(base, blk + 208)
+    w0 = ((d * tl.load(sc_ptr).to(tl.float32)) * q0.to(tl.float32)).to(dt)
+    w1 = ((d * tl.load(sc_ptr + 4).to(tl.float32)) * q1.to(tl.float32)).to(dt)
+    return w0, w1
+
+
+@triton.jit
+def tile_cols(k0, FMT: tl.constexpr, BK: tl.constexpr):
+    """[BK] the columns of `weight_tile_kn`'s rows, in its order: the activations of a
+    tile's reduction are loaded at these (GGUF K-quants decode their super-block in storage
+    order: a byte's two nibbles side by side)."""
+    pos = tl.arange(0, BK)
+    if FMT == 3 or FMT == 4:  # pos = 64j + 2 lane + half
+        return k0 + (pos // 64) * 64 + (pos % 2) * 32 + (pos % 64) // 2
+    elif FMT == 5:  # pos = 128h + 32g + 2s + a
+        return k0 + (pos // 128) * 128 + (pos % 2) * 64 + ((pos % 128) // 32) * 16 + (pos % 32) // 2
+    else:
+        return k0 + pos
+
+
+@triton.jit
+def weight_tile_kn(base, rows, rmask, k0, COLS, S_OFF, BR, BC: tl.constexpr,
+                   dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr,
+                   BN: tl.constexpr):  # fmt: skip
+    """[BK, BN] in dt: the weights of rows [BN] (rmask) at columns `tile_cols(k0)` of the
+    [*, COLS] matrix at `base`, decoded as `weight_tile` does, for a tensor-core dot. Block
+    fields load once per (row, block), as in `dot_chunk` (the same BK rules)."""
+    if FMT == 0 or (FMT == 1 and BC % BK != 0):
+        cols = k0 + tl.arange(0, BK)
+        m2 = (cols < COLS)[:, None] & rmask[None, :]
+        w = weight_tile(base, rows[None, :], cols[:, None], m2, COLS, S_OFF, BR, BC, FMT)
+        return w.to(dt)
+    elif FMT == 1:
+        cols = k0 + tl.arange(0, BK)
+        m2 = (cols < COLS)[:, None] & rmask[None, :]
+        offs = rows[None, :].to(tl.int64) * COLS + cols[:, None]
+        v = tl.load(base.to(tl.pointer_type(tl.float8e4nv)) + offs, mask=m2, other=0.0)
+        scale_cols = (COLS + BC - 1) // BC
+        s_idx = (rows // BR).to(tl.int64) * scale_cols + k0 // BC  # [BN]
+        s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + s_idx, mask=rmask, other=0.0)
+        return (v.to(tl.float32) * s[None, :]).to(dt)
+    else:
+        r = tl.where(rmask, rows, 0).to(tl.int64)
+        if FMT == 2:
+            kb = tl.arange(0, BK // 32)[None, :, None]
+            lane = tl.arange(0, 32)[None, None, :]
+            cmask = k0 + 32 * kb + lane < COLS
+            blk = (r[:, None, None] * (COLS // 32) + k0 // 32 + kb) * 34  # [BN, NB, 1]
+            q = tl.load((base + blk + 2 + lane).to(tl.pointer_type(tl.int8)), mask=cmask, other=0)
+            d = tl.load((base + blk).to(tl.pointer_type(tl.float16)), mask=k0 + 32 * kb < COLS,
+                        other=0.0)  # fmt: skip
+            w = (q.to(tl.float32) * d.to(tl.float32)).to(dt)
+            return tl.trans(tl.reshape(w, (BN, BK)))
+        elif FMT == 5:
+            w0, w1 = _q6k_rows(base, r, k0, COLS, dt)
+            return tl.trans(tl.reshape(tl.join(w0, w1), (BN, BK)))
+        else:
+            w_lo, w_hi = _q4k_rows(base, r, k0, COLS, dt, FMT)
+            return tl.trans(tl.reshape(tl.join(w_lo, w_hi), (BN, BK)))

@@ -85,3 +85,16 @@ def slot_layout(packing: ExpertPacking) -> dict[int, SlotLayout] | None:
     if any(v is None for v in layouts.values()):
         return None
     return {k: v for k, v in layouts.items() if v is not None}
+
+
+def chunk_cols(bk: int, fmt: int, layout: SlotLayout) -> int:
+    """The reduction chunk the tile loaders (`dot_chunk`, `weight_tile_kn`) take for a
+    format: a GGUF K-quant super-block (256), a multiple of Q8_0's 32-column blocks, an FP8
+    chunk inside one scale block (a power-of-two block); else `bk`."""
+    if fmt in (Q4_K, Q5_K, Q6_K):
+        return 256
+    if fmt == Q8_0:
+        return max(32, bk)
+    if fmt == FP8 and layout.block[1] & (layout.block[1] - 1) == 0:
+        return min(bk, layout.block[1])
+    return bk
