@@ -17,9 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moetier.kernels._slot_tiles_triton import tile_cols, weight_tile_kn
+from moetier.kernels._slot_tiles_triton import weight_tile_kn
 from moetier.kernels.grouped_ffn import align
-from moetier.kernels.slot_layout import Q4_K, Q5_K, Q6_K, SlotLayout, chunk_cols, dense_layout
+from moetier.kernels.slot_layout import (
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    SlotLayout,
+    chunk_cols,
+    dense_layout,
+)
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs,
 # BM pairs per block, NB blocks.
@@ -63,7 +71,7 @@ def _grouped_gate_up(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        cols = tile_cols(k0, FMT, BLOCK_K)  # [BK], in the weight tile's order
+        cols = k0 + tl.arange(0, BLOCK_K)  # [BK]
         cmask = cols < D
         xa = tl.load(
             x_ptr + tok[:, None] * D + cols[None, :],
@@ -71,9 +79,8 @@ def _grouped_gate_up(
             other=0.0,
         )  # [BM, BK]
         # [BK, BN]: weight (n, k)
-        wg = weight_tile_kn(base, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K, BLOCK_N)
-        wu = weight_tile_kn(base + UP_OFF, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT,
-                            BLOCK_K, BLOCK_N)  # fmt: skip
+        wg = weight_tile_kn(base, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K)
+        wu = weight_tile_kn(base + UP_OFF, rows_n, nmask, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K)
         if IEEE:  # float32 operands (an fp32 model, or bf16 upcast for the CPU interpreter)
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
@@ -128,7 +135,7 @@ def _grouped_down(
     dt = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
-        cols = tile_cols(k0, FMT, BLOCK_K)
+        cols = k0 + tl.arange(0, BLOCK_K)
         cmask = cols < NI
         ha = tl.load(
             h_ptr + rows_m[:, None].to(tl.int64) * NI + cols[None, :],
@@ -136,7 +143,7 @@ def _grouped_down(
             other=0.0,
         )  # [BM, BK]
         # [BK, BN]: down (n, k)
-        wd = weight_tile_kn(base, rows_n, nmask, k0, NI, S_OFF, BR, BC, dt, FMT, BLOCK_K, BLOCK_N)
+        wd = weight_tile_kn(base, rows_n, nmask, k0, NI, S_OFF, BR, BC, dt, FMT, BLOCK_K)
         if IEEE:
             ha, wd = ha.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(ha, wd, acc, input_precision="ieee")
@@ -275,17 +282,12 @@ def choose_config(pairs: int, max_experts: int) -> GroupedConfig:
     return CONFIGS[-1][1]
 
 
-# GGUF K-quant tiles span a 256-column super-block: at most this many weight rows per tile
-# and one pipeline stage keep the decoded [256, BN] tile in registers and shared memory.
-KQUANT_MAX_BN = 64
-
-
-def _tile(bn: int, bk: int, stages: int, fmt: int, layout: SlotLayout) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, stages) of one GEMM for its weights' format."""
-    bk = chunk_cols(bk, fmt, layout)
-    if fmt in (Q4_K, Q5_K, Q6_K):
-        return min(bn, KQUANT_MAX_BN), bk, 1
-    return bn, bk, stages
+def _tile(bk: int, fmt: int, layout: SlotLayout) -> int:
+    """BLOCK_K of one GEMM for its weights' format (`weight_tile_kn`): a GGUF sub-block of 32
+    columns, an FP8 chunk inside one scale block (a power-of-two block), else `bk`."""
+    if fmt in (Q8_0, Q4_K, Q5_K, Q6_K):
+        return 32
+    return chunk_cols(bk, fmt, layout)
 
 
 def grouped_ffn_triton(
@@ -327,21 +329,21 @@ def grouped_ffn_triton(
     ieee = x.dtype == torch.float32 or not x.is_cuda
     layout = layout or dense_layout(d, inter)
     scales = (layout.scales, layout.block[0], layout.block[1])
-    up = _tile(cfg.up_bn, cfg.up_bk, cfg.up_stages, layout.gate_up_format, layout)
+    up_bk = _tile(cfg.up_bk, layout.gate_up_format, layout)
     h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
-    _grouped_gate_up[(nb, triton.cdiv(inter, up[0]))](
+    _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
         x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *scales,
         layout.gate_up_format,
-        BLOCK_M=cfg.bm, BLOCK_N=up[0], BLOCK_K=up[1], IEEE=ieee,
-        num_warps=cfg.up_warps, num_stages=up[2],
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=up_bk, IEEE=ieee,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
-    dn = _tile(cfg.down_bn, cfg.down_bk, cfg.down_stages, layout.down_format, layout)
+    down_bk = _tile(cfg.down_bk, layout.down_format, layout)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
-    _grouped_down[(nb, triton.cdiv(d, dn[0]))](
+    _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
         h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *scales,
         layout.down_format,
-        BLOCK_M=cfg.bm, BLOCK_N=dn[0], BLOCK_K=dn[1], IEEE=ieee,
-        num_warps=cfg.down_warps, num_stages=dn[2],
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=down_bk, IEEE=ieee,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip
     _combine_masked[(t, triton.cdiv(d, 512))](y, slots, out, k, d, ACCUM=accum, BLOCK=512)
     return out

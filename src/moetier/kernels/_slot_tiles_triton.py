@@ -210,26 +210,12 @@ def _q6k_rows(base, r, k0, COLS, dt: tl.constexpr):
 
 
 @triton.jit
-def tile_cols(k0, FMT: tl.constexpr, BK: tl.constexpr):
-    """[BK] the columns of `weight_tile_kn`'s rows, in its order: the activations of a
-    tile's reduction are loaded at these (GGUF K-quants decode their super-block in storage
-    order: a byte's two nibbles side by side)."""
-    pos = tl.arange(0, BK)
-    if FMT == 3 or FMT == 4:  # pos = 64j + 2 lane + half
-        return k0 + (pos // 64) * 64 + (pos % 2) * 32 + (pos % 64) // 2
-    elif FMT == 5:  # pos = 128h + 32g + 2s + a
-        return k0 + (pos // 128) * 128 + (pos % 2) * 64 + ((pos % 128) // 32) * 16 + (pos % 32) // 2
-    else:
-        return k0 + pos
-
-
-@triton.jit
 def weight_tile_kn(base, rows, rmask, k0, COLS, S_OFF, BR, BC: tl.constexpr,
-                   dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr,
-                   BN: tl.constexpr):  # fmt: skip
-    """[BK, BN] in dt: the weights of rows [BN] (rmask) at columns `tile_cols(k0)` of the
+                   dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """[BK, BN] in dt: the weights of rows [BN] (rmask) at columns k0 .. k0 + BK of the
     [*, COLS] matrix at `base`, decoded as `weight_tile` does, for a tensor-core dot. Block
-    fields load once per (row, block), as in `dot_chunk` (the same BK rules)."""
+    fields load once per (row, block): FP8 with a BK that divides BC takes one scale per row;
+    GGUF takes one 32-column sub-block (BK = 32) with its scale (two for Q6_K) per row."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         m2 = (cols < COLS)[:, None] & rmask[None, :]
@@ -244,21 +230,33 @@ def weight_tile_kn(base, rows, rmask, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         s_idx = (rows // BR).to(tl.int64) * scale_cols + k0 // BC  # [BN]
         s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + s_idx, mask=rmask, other=0.0)
         return (v.to(tl.float32) * s[None, :]).to(dt)
-    else:
+    else:  # GGUF: the rows always span whole blocks, so k0 < COLS needs no column mask
         r = tl.where(rmask, rows, 0).to(tl.int64)
-        if FMT == 2:
-            kb = tl.arange(0, BK // 32)[None, :, None]
-            lane = tl.arange(0, 32)[None, None, :]
-            cmask = k0 + 32 * kb + lane < COLS
-            blk = (r[:, None, None] * (COLS // 32) + k0 // 32 + kb) * 34  # [BN, NB, 1]
-            q = tl.load((base + blk + 2 + lane).to(tl.pointer_type(tl.int8)), mask=cmask, other=0)
-            d = tl.load((base + blk).to(tl.pointer_type(tl.float16)), mask=k0 + 32 * kb < COLS,
-                        other=0.0)  # fmt: skip
-            w = (q.to(tl.float32) * d.to(tl.float32)).to(dt)
-            return tl.trans(tl.reshape(w, (BN, BK)))
-        elif FMT == 5:
-            w0, w1 = _q6k_rows(base, r, k0, COLS, dt)
-            return tl.trans(tl.reshape(tl.join(w0, w1), (BN, BK)))
-        else:
-            w_lo, w_hi = _q4k_rows(base, r, k0, COLS, dt, FMT)
-            return tl.trans(tl.reshape(tl.join(w_lo, w_hi), (BN, BK)))
+        lane = tl.arange(0, 32)[:, None]  # [32, 1]
+        if FMT == 2:  # Q8_0
+            blk = ((r * (COLS // 32) + k0 // 32) * 34)[None, :]  # [1, BN]
+            q = tl.load((base + blk + 2 + lane).to(tl.pointer_type(tl.int8))).to(tl.float32)
+            return (q * _f16_at(base, blk)).to(dt)
+        sub = (k0 % 256) // 32  # the super-block's 32-column sub-block
+        if FMT == 5:  # Q6_K: sub = 4h + 2a + b, elements 128h + 64a + 32b + lane
+            blk = ((r * (COLS // 256) + k0 // 256) * 210)[None, :]
+            h = sub // 4
+            a = (sub // 2) % 2
+            b = sub % 2
+            ql = _byte(base, blk + 64 * h + 32 * b + lane)  # [32, BN]
+            qh = _byte(base, blk + 128 + 32 * h + lane)
+            q = (((ql >> (4 * a)) & 0x0F) | (((qh >> (4 * a + 2 * b)) & 0x03) << 4)) - 32
+            sc_ptr = (base + blk + 192 + 8 * h + 4 * a + 2 * b).to(tl.pointer_type(tl.int8))
+            sc = tl.where(lane < 16, tl.load(sc_ptr), tl.load(sc_ptr + 1)).to(tl.float32)
+            return ((_f16_at(base, blk + 208) * sc) * q.to(tl.float32)).to(dt)
+        else:  # Q4_K / Q5_K: sub = 2j + half, elements 64j + 32 half + lane
+            ts = 144 if FMT == 3 else 176
+            qs = 16 if FMT == 3 else 48
+            blk = ((r * (COLS // 256) + k0 // 256) * ts)[None, :]
+            q = (_byte(base, blk + qs + 32 * (sub // 2) + lane) >> (4 * (sub % 2))) & 0x0F
+            if FMT == 4:
+                q = q | (((_byte(base, blk + 16 + lane) >> sub) & 0x01) << 4)
+            sc, mn = _k_scale_min(base, blk, sub)  # [1, BN]
+            d = _f16_at(base, blk)
+            dmin = _f16_at(base, blk + 2)
+            return ((d * sc) * q.to(tl.float32) - dmin * mn).to(dt)
