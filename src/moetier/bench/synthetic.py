@@ -104,8 +104,8 @@ def checkpoint_plan(config: Any) -> tuple[str, dict[str, torch.Size]]:
     return type(model).__name__, plan
 
 
-# Model types whose moetier family reads the tensor names save_pretrained writes (the release's,
-# which transformers renames on load) rather than the module names transformers holds in memory.
+# Model types whose moetier family reads the tensor names save_pretrained writes (near the
+# release's; transformers renames them on load) rather than the names it holds in memory.
 # DeepSeek-V4: `attn.wq_a`, `ffn.experts`, `hc_attn_fn`, `head.weight` for `self_attn.q_a_proj`,
 # `mlp.experts`, `attn_hc.fn`, `lm_head.weight`. (Mixtral and Qwen3.6 would be renamed too, but
 # their families read the in-memory names, which transformers also loads.)
@@ -120,7 +120,8 @@ def _saved_names(model: Any) -> Callable[[str], str]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
 
-    reverse = [c.reverse_transform() for c in get_model_conversion_mapping(model)[::-1]]
+    mapping = get_model_conversion_mapping(model, add_legacy=False)  # as save_pretrained
+    reverse = [c.reverse_transform() for c in mapping[::-1]]
     renamings = [
         r for r in reverse if isinstance(r, WeightRenaming) and not isinstance(r, PrefixChange)
     ]
