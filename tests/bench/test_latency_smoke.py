@@ -154,3 +154,22 @@ def test_gate_writes_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "| tiny-qwen3 | 0 |" in md and "| tiny-qwen3 | 1 |" in md
     record = json.loads(next(tmp_path.glob("*-gate-t.json")).read_text())
     assert record["verdict"] in ("SHIP", "NO-SHIP") and len(record["pairs"]) == 2
+
+
+def test_latency_on_tiny_deepseek_v4(tmp_path: Path) -> None:
+    """DeepSeek-V4's hash-routed layers take the override (their token ids ignored) as the
+    top-k layers do; every budget generates the 100% run's tokens under both routings."""
+    out = tmp_path / "v4.json"
+    args = ["bench", "latency", "--synthetic", "tiny-deepseek-v4", "--device", "cpu"]
+    args += ["--expert-budget", "25%", "--input-len", "8", "--output-len", "4"]
+    args += ["--routing", "uniform,model", "--num-prompts", "1", "--no-progress"]
+    assert main([*args, "--save-result", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["synthetic_meta"]["shape"] == "tiny-deepseek-v4"
+    assert [(c["routing"], c["budget"], c["device_slots"]) for c in res["configs"]] == [
+        ("uniform", "100%", 64),
+        ("uniform", "25%", 16),
+        ("model", "100%", 64),
+        ("model", "25%", 16),
+    ]
+    assert all(c["tokens_match_reference"] is True for c in res["configs"])

@@ -43,7 +43,7 @@ def test_deepseek_v2_lite_details() -> None:
 
 
 TINY = ["tiny-qwen3", "tiny-deepseek-v2", "tiny-mixtral"]
-TINY_2026 = ["tiny-qwen3.5-moe", "tiny-gemma4", "tiny-glm4-moe"]
+TINY_2026 = ["tiny-qwen3.5-moe", "tiny-gemma4", "tiny-glm4-moe", "tiny-deepseek-v4"]
 
 
 @pytest.mark.parametrize("shape", TINY + TINY_2026)
@@ -103,6 +103,7 @@ FAMILIES_2026 = [
     ("qwen3.6-35b-a3b", 40, 40, 256, 8, 2048, 512),
     ("gemma-4-26b-a4b", 30, 30, 128, 8, 2816, 704),
     ("glm-4.5-air", 46, 45, 128, 8, 4096, 1408),
+    ("deepseek-v4-flash", 43, 43, 256, 6, 4096, 2048),
 ]
 
 
@@ -138,6 +139,7 @@ ROUTED_BF16 = [
     ("qwen3.6-35b-a3b", 6_291_456, 64_424_509_440),
     ("gemma-4-26b-a4b", 11_894_784, 45_675_970_560),
     ("glm-4.5-air", 34_603_008, 199_313_326_080),
+    ("deepseek-v4-flash", 50_331_648, 554_050_781_184),
 ]
 
 
@@ -181,6 +183,89 @@ def test_2026_shape_details() -> None:
     assert (a.first_k_dense_replace, a.n_shared_experts, a.intermediate_size) == (1, 1, 10944)
     assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (96, 8, 128)
     assert (a.attention_bias, a.vocab_size) == (True, 151552)
+
+
+def test_deepseek_v4_flash_details() -> None:
+    """The released schedule and sizes, and the tensors the writer plans under the names
+    save_pretrained gives them, with the released checkpoint's shapes (its shard headers)."""
+    from moetier.bench.synthetic import checkpoint_plan
+
+    c = shape_config("deepseek-v4-flash", 43)
+    kinds = [t.split("_")[0] for t in c.layer_types]  # sliding / compressed / heavily
+    assert kinds[:2] == ["sliding"] * 2 and c.layer_types[42] == "compressed_sparse_attention"
+    assert kinds[2:] == ["compressed", "heavily"] * 20 + ["compressed"]
+    assert c.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] * 40
+    assert c.compress_rates == {
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": 128,
+    }
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.qk_rope_head_dim) == (
+        64,
+        1,
+        512,
+        64,
+    )
+    assert (c.q_lora_rank, c.o_groups, c.o_lora_rank, c.n_shared_experts) == (1024, 8, 1024, 1)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 512)
+    assert (c.hc_mult, c.hc_sinkhorn_iters, c.sliding_window, c.swiglu_limit) == (4, 20, 128, 10.0)
+    assert (c.scoring_func, c.routed_scaling_factor, c.vocab_size) == ("sqrtsoftplus", 1.5, 129280)
+    compress = c.rope_parameters["compress"]
+    assert (compress["rope_type"], compress["factor"], compress["rope_theta"]) == (
+        "yarn",
+        16.0,
+        160000.0,
+    )
+    assert c.rope_parameters["main"]["rope_theta"] == 10000.0 and not c.tie_word_embeddings
+    _, plan = checkpoint_plan(shape_config("deepseek-v4-flash", 2))
+    released = {
+        "model.layers.0.attn.wq_a.weight": (1024, 4096),
+        "model.layers.0.attn.wq_b.weight": (32768, 1024),
+        "model.layers.0.attn.wkv.weight": (512, 4096),
+        "model.layers.0.attn.wo_a.weight": (8192, 4096),
+        "model.layers.0.attn.wo_b.weight": (4096, 8192),
+        "model.layers.0.ffn.gate.weight": (256, 4096),
+        "model.layers.0.ffn.gate.tid2eid": (129280, 6),
+        "model.layers.0.ffn.shared_experts.w1.weight": (2048, 4096),
+        "model.layers.0.hc_attn_fn": (24, 16384),
+        "model.layers.0.hc_attn_base": (24,),
+        "model.layers.1.ffn.experts.gate_up_proj": (256, 4096, 4096),
+        "head.weight": (129280, 4096),
+    }
+    assert {n: tuple(plan[n]) for n in released} == released
+    assert not any(".mlp." in n or ".self_attn." in n for n in plan)
+
+
+def test_tiny_deepseek_v4_is_written_as_transformers_saves_it() -> None:
+    """Tensor names as save_pretrained writes them (experts fused), K distinct experts per
+    token id in each hash layer's table, every layer's experts tiered, and greedy tokens at 25 %
+    of the experts equal those with all resident."""
+    import json
+
+    from safetensors import safe_open
+
+    from moetier import LLM, SamplingParams
+
+    path = ensure_synthetic("tiny-deepseek-v4", None, seed=1)
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    fused = {n.rsplit(".", 1)[0] for n in names if n.endswith("experts.gate_up_proj")}
+    assert fused == {f"model.layers.{i}.ffn.experts" for i in range(4)}
+    assert {"head.weight", "model.layers.2.attn.indexer.wq_b.weight"} <= set(names)
+    assert {"model.layers.3.ffn.gate.bias", "model.layers.3.hc_ffn_fn"} <= set(names)
+    tables = [n for n in names if n.endswith("tid2eid")]
+    assert tables == [f"model.layers.{i}.ffn.gate.tid2eid" for i in range(3)]
+    with safe_open(str(path / names[tables[0]]), "pt") as f:
+        table = f.get_tensor(tables[0])
+    assert table.dtype == torch.int64 and table.shape == (512, 4)
+    assert int(table.min()) >= 0 and int(table.max()) < 16
+    assert all(len(set(row)) == 4 for row in table.tolist())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for budget in (None, "25%"):
+        llm = LLM(str(path), expert_budget=budget, device="cpu", progress=False)
+        stats = llm.offload_stats()
+        assert stats["total_experts"] == 16 * 4 and stats["expert_bytes"] == 3 * 64 * 32 * 4
+        tokens.append(llm.generate([[5, 77, 301, 9, 42, 7]], params)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 
 def test_fp8_synthetic_is_read_as_stored() -> None:
@@ -282,7 +367,7 @@ def test_gguf_synthetic_runs_as_stored(
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 
-def test_gguf_synthetic_rejects_shapes_it_cannot_write(
+def test_synthetic_rejects_formats_it_cannot_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from moetier.errors import ConfigError
@@ -292,6 +377,8 @@ def test_gguf_synthetic_rejects_shapes_it_cannot_write(
         ensure_synthetic("tiny-qwen3", None, seed=1, fmt="gguf-q4_k")
     with pytest.raises(ConfigError, match="deepseek_v2.*no GGUF writer"):
         ensure_synthetic("tiny-deepseek-v2", None, seed=1, fmt="gguf-q8_0")
+    with pytest.raises(ConfigError, match="tiny-deepseek-v4 in fp8.*--format bf16"):
+        ensure_synthetic("tiny-deepseek-v4", None, seed=1, fmt="fp8")
 
 
 def test_bench_latency_on_a_gguf_synthetic(tmp_path: Path) -> None:

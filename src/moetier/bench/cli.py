@@ -92,8 +92,10 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         "--synthetic",
         default=None,
         help="synthetic shape (qwen3-30b-a3b, deepseek-v2-lite, mixtral-8x7b, olmoe-1b-7b, "
-        "gpt-oss-20b, gpt-oss-120b (MXFP4 experts), tiny-qwen3, tiny-deepseek-v2, "
-        "tiny-mixtral, tiny-gpt-oss), generated once under $MOETIER_HOME/synthetic",
+        "gpt-oss-20b, gpt-oss-120b (MXFP4 experts), qwen3.6-35b-a3b, gemma-4-26b-a4b, "
+        "glm-4.5-air, deepseek-v4-flash (bf16; 13.2 GB a layer), tiny-qwen3, tiny-deepseek-v2, "
+        "tiny-mixtral, tiny-gpt-oss, tiny-deepseek-v4, ...: bench/shapes.py), generated once "
+        "under $MOETIER_HOME/synthetic",
     )
     p.add_argument("--layers", type=int, default=None, help="synthetic depth (default: real)")
     p.add_argument(

@@ -145,8 +145,11 @@ class OverrideGate(nn.Module):
     def unstage(self) -> None:
         self.staged = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> ids [T, K] int64, weights [T, K] float32."""
+    def forward(
+        self, x: torch.Tensor, *route_args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> ids [T, K] int64, weights [T, K] float32. `route_args` (a DeepSeek-V4
+        hash router's token ids) are ignored: the override picks hash layers' experts too."""
         if self.staged is not None:
             # a call of fewer tokens than staged rows is the eager run of a padded step whose
             # capture failed: its real tokens are the first rows

@@ -157,6 +157,75 @@ _GLM45_AIR = dict(
     max_position_embeddings=131072,
 )
 
+# DeepSeek-V4-Flash (`deepseek_v4`, DeepseekV4ForCausalLM): the published config.json of
+# huggingface.co/deepseek-ai/DeepSeek-V4-Flash (as quoted verbatim in public ports' notes; the
+# NVIDIA NeMo AutoModel model page agrees: 43 all-MoE layers, 256 routed + 1 shared experts,
+# top-6, hc_mult 4). transformers 5.25 DeepseekV4Config's defaults (its docs name
+# DeepSeek-V4-Flash-Base) equal every size: hidden 4096; 64 query heads, 1 KV head of 512 (64
+# rotated), q_lora_rank 1024, 8 output groups of o_lora_rank 1024; every layer MoE, 256 experts
+# top-6 of 2048 + 1 shared expert of 2048, sqrtsoftplus scores, renormalized, scaled 1.5,
+# SwiGLU clamped at 10; layers 0-2 hash-routed (num_hash_layers 3); indexer 64 heads of 128
+# keeping 512; window 128; 4 hyper-connection streams, 20 Sinkhorn iterations; vocab 129280,
+# untied head; 1048576 positions. Written out so a default change cannot move them. Not class
+# defaults: the attention schedule, from the config's compress_ratios (44 entries; the last is
+# the MTP block's, which moetier never runs): layers 0-1 window only (ratio 0), then CSA
+# (ratio 4) on even and HCA (ratio 128) on odd layers, where the class would open with two HCA
+# layers; rope_scaling yarn (factor 16 over 65536 positions, theta 1.6e5) on the compressed
+# branches, theta 1e4 plain on the window. The release stores experts FP4 and most other
+# matrices FP8 (expert_dtype, quantization_config), which moetier does not read: this shape is
+# written bf16. A bf16 expert is 3 x 4096 x 2048 x 2 B = 50.3 MB, a layer's 256 are 12.9 GB,
+# all 43 layers' 554.1 GB (568.7 GB with the rest): at most `--layers 4` (54.8 GB) on a 64 GiB
+# disk. 43 layers: DEFAULT_LAYERS.
+_V4_ATTENTION = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    128: "heavily_compressed_attention",
+}
+_V4_FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
+_V4_FLASH_ROPE: dict[str, Any] = dict(  # the compressed layers' (config.json rope_scaling)
+    rope_type="yarn",
+    factor=16.0,
+    original_max_position_embeddings=65536,
+    beta_fast=32.0,
+    beta_slow=1.0,
+)
+_V4_FLASH = dict(
+    model_type="deepseek_v4",
+    hidden_size=4096,
+    num_attention_heads=64,
+    num_key_value_heads=1,
+    head_dim=512,
+    partial_rotary_factor=64 / 512,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    scoring_func="sqrtsoftplus",
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    sliding_window=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    layer_types=[_V4_ATTENTION[r] for r in _V4_FLASH_RATIOS],
+    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 40,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_parameters=_V4_FLASH_ROPE,
+    rms_norm_eps=1e-6,
+    vocab_size=129280,
+    tie_word_embeddings=False,
+    max_position_embeddings=1048576,
+)
+
 # name: HF config of the shape (without num_hidden_layers); DEFAULT_LAYERS gives the real depth.
 SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": dict(_GPT_OSS, num_local_experts=32),
@@ -165,6 +234,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3.6-35b-a3b": _QWEN3_6_35B,
     "gemma-4-26b-a4b": _GEMMA4_26B,
     "glm-4.5-air": _GLM45_AIR,
+    "deepseek-v4-flash": _V4_FLASH,
     "deepseek-v2-lite": dict(
         model_type="deepseek_v2",
         hidden_size=2048,
@@ -331,6 +401,29 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=512,
         max_position_embeddings=512,
     ),
+    # The first 4 layers of the real schedule: a window of 4 (< the tests' prompts), alone in
+    # layers 0-1, plus CSA (rate 4, the indexer keeping 2) in 2 and HCA in 3 at rate 8 (128
+    # would compress nothing in a short prompt); hash-routed 0-2, top-k routed 3; 4 streams.
+    "tiny-deepseek-v4": dict(
+        _V4_FLASH,
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=32,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=2,
+        sliding_window=4,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        rope_parameters=dict(_V4_FLASH_ROPE, original_max_position_embeddings=32),
+        vocab_size=512,
+        max_position_embeddings=512,
+    ),
     "tiny-gpt-oss": dict(
         model_type="gpt_oss",
         hidden_size=64,
@@ -353,6 +446,7 @@ DEFAULT_LAYERS = {
     "qwen3.6-35b-a3b": 40,
     "gemma-4-26b-a4b": 30,
     "glm-4.5-air": 46,
+    "deepseek-v4-flash": 43,
     "deepseek-v2-lite": 27,
     "mixtral-8x7b": 32,
     "olmoe-1b-7b": 16,
@@ -363,6 +457,7 @@ DEFAULT_LAYERS = {
     "tiny-qwen3.5-moe": 4,
     "tiny-gemma4": 6,
     "tiny-glm4-moe": 3,
+    "tiny-deepseek-v4": 4,
 }
 
 

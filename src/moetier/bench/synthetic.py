@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,22 @@ from moetier.bench.shapes import (
     SHAPES,
     shape_config,
 )
+from moetier.layers.moe import moe_config
 
 log = logging.getLogger(__name__)
 
 MARKER = "synthetic-complete.json"
 # Multiplicative scales filled with ones, as HF initializes them (Gemma 4's per-layer output
-# scalar and router scales): random ones would flip signs and compound over the layers.
-_ONES = (".layer_scalar", ".router.scale", ".router.per_expert_scale")
+# scalar and router scales, DeepSeek-V4's hyper-connection scales): random ones would flip signs
+# and compound over the layers.
+_ONES = (
+    ".layer_scalar",
+    ".router.scale",
+    ".router.per_expert_scale",
+    ".hc_attn_scale",
+    ".hc_ffn_scale",
+    ".hc_scale",
+)
 _CPU_POOL = 1_000_003  # prime: tiled pool slices never align with expert or row boundaries
 
 
@@ -78,18 +88,52 @@ def checkpoint_plan(config: Any) -> tuple[str, dict[str, torch.Size]]:
     """(CausalLM class name, {tensor name: shape}) of the bf16 checkpoint `write_synthetic`
     writes for `config`: the transformers model's state dict, built on the meta device (routed
     experts fused: `experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]). A tied LM
-    head is left out, as save_pretrained leaves it."""
+    head is left out, as save_pretrained leaves it. _SAVED_NAMES families are named as
+    save_pretrained names them (experts still fused)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    rename = _saved_names(model) if config.model_type in _SAVED_NAMES else (lambda n: n)
     plan = {
-        name: p.shape
+        rename(name): p.shape
         for name, p in model.state_dict().items()
         if not (tied and name == "lm_head.weight")
     }
     return type(model).__name__, plan
+
+
+# Model types whose moetier family reads the tensor names save_pretrained writes (near the
+# release's; transformers renames them on load) rather than the names it holds in memory.
+# DeepSeek-V4: `attn.wq_a`, `ffn.experts`, `hc_attn_fn`, `head.weight` for `self_attn.q_a_proj`,
+# `mlp.experts`, `attn_hc.fn`, `lm_head.weight`. (Mixtral and Qwen3.6 would be renamed too, but
+# their families read the in-memory names, which transformers also loads.)
+_SAVED_NAMES = frozenset({"deepseek_v4"})
+# Model types whose family refuses a quantization_config (models/deepseek_v4.py): bf16 only.
+_FLOAT_ONLY = frozenset({"deepseek_v4"})
+
+
+def _saved_names(model: Any) -> Callable[[str], str]:
+    """In-memory name -> the name save_pretrained gives it: transformers' own renamings of the
+    family, reversed (its converters, which split fused experts, are not applied)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+
+    mapping = get_model_conversion_mapping(model, add_legacy=False)  # as save_pretrained
+    reverse = [c.reverse_transform() for c in mapping[::-1]]
+    renamings = [
+        r for r in reverse if isinstance(r, WeightRenaming) and not isinstance(r, PrefixChange)
+    ]
+    return lambda name: apply_renamings(name, renamings)
+
+
+def _hash_table(filler: _Filler, name: str, shape: torch.Size, experts: int) -> torch.Tensor:
+    """A hash router's `tid2eid` [vocab, K] int64: K distinct experts per token id, uniformly
+    drawn (transformers initializes it to zeros; the release's table is learned offline)."""
+    gen = filler._gen(name)
+    scores = torch.rand(shape[0], experts, generator=gen, device=filler.device)
+    return scores.topk(shape[1], dim=1).indices.cpu()
 
 
 def _mxfp4_experts(filler: _Filler, name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
@@ -182,6 +226,13 @@ def write_synthetic(
     config = shape_config(shape, num_layers)
     architecture, plan = checkpoint_plan(config)
     config.architectures = [architecture]
+    if fmt == "fp8" and config.model_type in _FLOAT_ONLY:
+        from moetier.errors import ConfigError
+
+        raise ConfigError(
+            f"synthetic {shape} in fp8: moetier reads {config.model_type} checkpoints without a "
+            "quantization_config only; use --format bf16"
+        )
     if fmt == "fp8":
         config.quantization_config = {
             "quant_method": "fp8",
@@ -201,6 +252,8 @@ def write_synthetic(
     def tensors(name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
         if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             return _mxfp4_experts(filler, name, shape)
+        if name.endswith(".tid2eid"):
+            return {name: _hash_table(filler, name, shape, moe_config(config)[0])}
         return {name: filler(name, shape).contiguous()}
 
     groups: dict[str, dict[str, torch.Size]] = {}
