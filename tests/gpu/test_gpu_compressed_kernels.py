@@ -63,9 +63,11 @@ def test_compressed_kernels_match_reference(name: str, tokens: int) -> None:
     pool, dense, layout = _pool(FORMATS[name])
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, D, generator=g, device="cuda").to(torch.bfloat16)
-    ids = torch.stack(
-        [torch.randperm(SLOTS, generator=g, device="cuda")[:8] for _ in range(tokens)]
-    ).sort(-1).values
+    ids = (
+        torch.stack([torch.randperm(SLOTS, generator=g, device="cuda")[:8] for _ in range(tokens)])
+        .sort(-1)
+        .values
+    )
     w = torch.rand(tokens, 8, generator=g, device="cuda")
     slots = ids.to(torch.int32)
     if tokens * 8 <= 128:

@@ -53,3 +53,29 @@ def test_device_cache_replays_whole_graphs_without_syncs(ckpt: Path) -> None:
     assert graphs is not None and graphs.replays >= 1
     assert graphs.graphs and not any(g.blocks for g in graphs.graphs.values())  # whole graphs
     assert len(syncs) <= 1, syncs  # the step's token ids copy in; nothing per MoE layer
+
+
+def test_observed_steps_replay_and_log_every_call(ckpt: Path) -> None:
+    """A routing observer (the bench's trace recorder) no longer forces eager steps: decode
+    graphs replay with it attached, and it gets the records eager steps give it."""
+    if not moe_kernels_apply(ckpt):
+        pytest.skip("experts take the per-expert loop: no device cache")
+    from moetier.bench.trace import TraceHeader, TraceRecorder
+
+    traces = []
+    for graphs in (True, False):
+        llm = LLM(str(ckpt), expert_budget="50%", device="cuda", dtype="float32", progress=False,
+                  cuda_graphs=graphs, **KW)  # fmt: skip
+        runner = llm.engine.runner
+        if graphs and runner.graphs is None:
+            pytest.skip("CUDA graphs are off for recurrent-state layers")
+        blocks = runner.model.moe_blocks()
+        rec = TraceRecorder(TraceHeader(1, 1, 1, [b.layer for b in blocks], 1))
+        rec.attach(blocks)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        llm.generate([PROMPTS[0]], params)
+        rec.detach()
+        if graphs:
+            assert runner.graphs.replays >= 4
+        traces.append([(r.layer, r.experts) for r in rec.trace.records])
+    assert len(traces[0]) > 0 and traces[0] == traces[1]

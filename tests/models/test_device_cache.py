@@ -5,6 +5,7 @@ experts up, for prefill and decode; the host's slot table stays unused."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,40 @@ def test_device_cache_needs_the_host_tier_and_a_layer(qwen3: Path) -> None:
     with pytest.raises(ConfigError, match="--prefetch is driven by the host"):
         LLM(str(qwen3), expert_budget="50%", host_budget="100%", prefetch="last-call",
             progress=False, **KERNELS)  # fmt: skip
+
+
+def _spy(fn: Any, into: list[Any]) -> Any:
+    def wrapped() -> Any:
+        out = fn()
+        into.extend(out)
+        return out
+
+    return wrapped
+
+
+def test_observers_get_the_same_routes_after_the_step(
+    qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's trace recorder hears of every call of a device-cache step after it (route
+    log: no sync per layer, so decode graphs stay on): the same records, in the same order,
+    as the host path tells it during the step."""
+    from moetier import LLM, SamplingParams
+    from moetier.bench.trace import TraceHeader, TraceRecorder
+
+    traces = []
+    for kw in (dict(KERNELS), dict(KERNELS, device_cache=False)):
+        llm = LLM(str(qwen3), expert_budget="50%", host_budget="100%", progress=False, **kw)
+        blocks = llm.engine.runner.model.moe_blocks()
+        rec = TraceRecorder(TraceHeader(2, 8, 2, [b.layer for b in blocks], 1))
+        rec.attach(blocks)
+        cached = llm.engine.runner.expert_cache.device_cache
+        taken: list[tuple[int, list[int], int]] = []
+        if cached is not None:  # every record comes from the log, after its step
+            monkeypatch.setattr(cached, "take_routes", _spy(cached.take_routes, taken))
+        llm.generate([[1, 2, 3, 4], [5, 6]], SamplingParams(max_tokens=5, temperature=0.0))
+        rec.detach()
+        assert (cached is not None) == kw["device_cache"]
+        traces.append([(r.layer, r.experts) for r in rec.trace.records])
+        if cached is not None:
+            assert len(taken) == len(rec.trace.records)
+    assert len(traces[0]) > 4 and traces[0] == traces[1]

@@ -126,3 +126,25 @@ print("ok")
 def test_fill_kernel_in_interpreter() -> None:
     pytest.importorskip("triton")
     _run_in_interpreter(_FILL)
+
+
+def test_route_log_holds_each_call_until_taken() -> None:
+    cache = _cache()
+    assert not cache.log_routes(0, torch.tensor([[0, 1]]))  # closed: the caller tells at once
+    cache.open_route_log(4)
+    assert cache.log_routes(0, torch.tensor([[1, 0], [2, 3]]))
+    assert cache.log_routes(1, torch.tensor([[3, 2]]))
+    assert not cache.log_routes(1, torch.tensor([[0, 1, 2], [1, 2, 3]]))  # 6 pairs > 4
+    mark = cache.mark()
+    cache.log_routes(0, torch.tensor([[0, 3]]))  # a capture's forward: rewound, then replayed
+    captured = cache.rewind(mark)
+    assert captured == [(2, 0, 2, 2)]  # row 2: the step's earlier calls keep theirs
+    assert cache.take_routes() == [(0, [1, 0, 2, 3], 2), (1, [3, 2], 2)]
+    assert cache.take_routes() == []
+    assert cache.route_log is not None
+    cache.route_log[2, :2] = torch.tensor([2, 1])  # what a replay's captured copy writes
+    cache.replayed(captured)
+    assert cache.take_routes() == [(0, [2, 1], 2)]
+    for layer in (0, 1, 0, 1):  # 2 x L rows: a capture's warm-up and captured forwards
+        assert cache.log_routes(layer, torch.tensor([[0, 1]]))
+    assert not cache.log_routes(0, torch.tensor([[0, 1]]))

@@ -55,6 +55,8 @@ class _Graph:
     blocks: list[Any] = field(default_factory=list)
     ids: list[torch.Tensor] = field(default_factory=list)  # [B, K] int64 sorted routing ids
     slots: list[torch.Tensor] = field(default_factory=list)  # [B, K] int32 slot ids, host-set
+    # whole graphs with the device cache's route log: the MoE calls a replay logs
+    routes: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class _Splitter:
@@ -93,14 +95,27 @@ class _Splitter:
 
 def graph_safe(blocks: list[Any], pairs: int, piecewise: bool = False) -> bool:
     """A replayed graph computes what eager would for every MoE block: no host observer of
-    the routing (piecewise graphs give it the ids at each layer's sync), any router fed from the
-    host can be staged, and a kernel (slot or grouped) takes `pairs` (token, expert) pairs."""
+    the routing, unless it hears of it another way (piecewise graphs give it the ids at each
+    layer's sync; the device cache's route log after the step), any router fed from the host
+    can be staged, and a kernel (slot or grouped) takes `pairs` (token, expert) pairs."""
     return all(
-        (piecewise or b.route_observer is None)
+        (piecewise or b.route_observer is None or routes_logged(b))
         and (not getattr(b.gate, "host_routing", False) or hasattr(b.gate, "stage"))
         and (pairs <= b.slot_kernel_max_pairs or b.grouped_kernel)
         for b in blocks
     )
+
+
+def routes_logged(block: Any) -> bool:
+    """The block's calls log their routing for observers on the device (no sync in a step)."""
+    cached = getattr(getattr(block, "provider", None), "device_cache", None)
+    return cached is not None and cached.route_log is not None
+
+
+def graph_key(blocks: list[Any]) -> tuple[tuple[int, bool], ...]:
+    """What the graphs were captured with: each router's identity (the bench swaps them) and
+    whether its block is observed (a captured forward logs routes only if it was)."""
+    return tuple((id(b.gate), b.route_observer is not None) for b in blocks)
 
 
 class DecodeGraphs:
@@ -117,7 +132,7 @@ class DecodeGraphs:
         self.blocks = runner.model.moe_blocks()
         self.moe_layers = len(self.blocks)
         self.top_k = runner.top_k
-        self.gates: tuple[int, ...] = ()  # identity of the routers the graphs were captured with
+        self.gates: tuple[tuple[int, bool], ...] = ()  # graph_key of the captured graphs
         self.staged: list[Any] = []  # those routers that are fed from the host (`stage`)
 
     @property
@@ -142,7 +157,7 @@ class DecodeGraphs:
 
     def run(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits [B, V] of a qualifying decode step from graph replays; None = run eagerly."""
-        gates = tuple(id(b.gate) for b in self.blocks)
+        gates = graph_key(self.blocks)
         if gates != self.gates:  # a router was swapped (the bench's override): recapture
             self.graphs.clear()
             self.failed.clear()
@@ -179,6 +194,8 @@ class DecodeGraphs:
                 self._replay_pieces(g, key[0])
             else:
                 g.graphs[0].replay()
+                if g.routes:
+                    self.runner.expert_cache.device_cache.replayed(g.routes)
                 self.runner.stats.count_device_calls(
                     key[0] * self.top_k * self.moe_layers,
                     self.moe_layers,
@@ -254,6 +271,8 @@ class DecodeGraphs:
         counts = self.runner.stats.save_counts()  # the forwards below count nothing
         cached = self.runner.expert_cache.device_cache
         device_counts = None if cached is None else cached.counters.clone()
+        mark = 0 if cached is None else cached.mark()
+        routes: list[tuple[int, int, int, int]] = []
         splitter = _Splitter(self.pool) if self.offloaded else None
         try:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it computes
@@ -264,12 +283,15 @@ class DecodeGraphs:
             with torch.cuda.stream(side):
                 self._forward(inputs, b, w)
             torch.cuda.current_stream(device).wait_stream(side)
+            warm = 0 if cached is None else cached.mark()
             with self.runner.expert_cache.quiet():  # no prefetch thread CUDA call in capture
                 if splitter is None:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool):
                         logits = self._forward(inputs, b, w)
-                    g = _Graph([graph], inputs, logits)
+                    if cached is not None:
+                        routes = cached.rewind(warm)  # logged again by each replay
+                    g = _Graph([graph], inputs, logits, routes=routes)
                 else:
                     g = self._capture_pieces(splitter, inputs, b, w)
         except RuntimeError as exc:
@@ -288,6 +310,8 @@ class DecodeGraphs:
         finally:
             for block in self.blocks:
                 block.splitter = None
+            if cached is not None:
+                cached.rewind(mark)  # the replay (or the eager run) logs this step's calls
         self.runner.stats.restore_counts(counts)
         if cached is not None and device_counts is not None:
             # the warm-up's fills are real but uncounted, like its host counts: the replay that

@@ -223,6 +223,10 @@ class ModelRunner:
             block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
         if self.expert_cache.device_cache is not None:
             self._check_device_cache(config, kernel_layout)
+            # one step's (token, expert) pairs at most: routing observers read them after it
+            self.expert_cache.device_cache.open_route_log(
+                config.scheduler.max_num_batched_tokens * self.top_k
+            )
         self.prefetcher = self._build_prefetcher(config)
         # every finished, aborted or failed request reaches end_request (engine.py)
         self.expert_cache.policy.ends_reported()
@@ -314,9 +318,16 @@ class ModelRunner:
             raise ConfigError(f"--device-cache cannot be used: {why}; drop --device-cache")
 
     def after_step(self) -> None:
-        """An engine step is done (its tokens read): counters kept on the device reach stats."""
-        if self.expert_cache.device_cache is not None:
-            self.expert_cache.device_cache.drain(self.stats)
+        """An engine step is done (its tokens read): counters kept on the device reach stats,
+        and routing observers get the step's logged calls."""
+        cached = self.expert_cache.device_cache
+        if cached is not None:
+            blocks = {b.layer: b for b in self.model.moe_blocks()}
+            for layer, ids, k in cached.take_routes():
+                observer = blocks[layer].route_observer
+                if observer is not None:
+                    observer(layer, ids, k)
+            cached.drain(self.stats)
 
     def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
         """Next-layer prefetch on the MoE miss path; off when every expert is resident (the

@@ -35,13 +35,13 @@ token's index (one small copy) and launches one graph.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moetier.engine.batch import SchedulerOutput
-from moetier.engine.graphs import graph_safe
+from moetier.engine.graphs import graph_key, graph_safe
 from moetier.layers.context import ForwardContext, KVBatch, SeqSpan
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [2P + 1] int64: token ids, KV slots, last real token's index
     logits: torch.Tensor  # [1, V] float32, written by every replay
+    # with the device cache's route log: the MoE calls a replay logs (for the whole bucket)
+    routes: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class PrefillGraphs:
@@ -117,7 +119,7 @@ class PrefillGraphs:
         self.blocks = runner.model.moe_blocks()
         self.moe_layers = len(self.blocks)
         self.top_k = runner.top_k
-        self.gates: tuple[int, ...] = ()  # identity of the routers the graphs were captured with
+        self.gates: tuple[tuple[int, bool], ...] = ()  # graph_key of the captured graphs
         self.staged: list[Any] = []  # those routers that are fed from the host (`stage`)
         self._check_routers()
 
@@ -170,6 +172,10 @@ class PrefillGraphs:
         try:
             g.inputs.copy_(host, non_blocking=True)
             g.graph.replay()
+            if g.routes:  # the prompt's rows of each logged call (the pads' follow them)
+                self.runner.expert_cache.device_cache.replayed(
+                    [(row, layer, n * k, k) for row, layer, _, k in g.routes]
+                )
         finally:
             self.unstage()
         # counted as the eager step counts them: the prompt's tokens, not the pads
@@ -189,7 +195,7 @@ class PrefillGraphs:
 
     def _check_routers(self) -> None:
         """A swapped router (the bench's override) drops the graphs captured with the old one."""
-        gates = tuple(id(b.gate) for b in self.blocks)
+        gates = graph_key(self.blocks)
         if gates == self.gates:
             return
         self.graphs.clear()
@@ -222,6 +228,8 @@ class PrefillGraphs:
         counts = stats.save_counts()  # the forwards below count nothing
         cached = self.runner.expert_cache.device_cache
         device_counts = None if cached is None else cached.counters.clone()
+        mark = 0 if cached is None else cached.mark()
+        routes: list[tuple[int, int, int, int]] = []
         try:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it
             # computes this very step, so the K/V it writes are the ones the replay writes.
@@ -230,10 +238,13 @@ class PrefillGraphs:
             with torch.cuda.stream(side):
                 self._forward(inputs, bucket)
             torch.cuda.current_stream(device).wait_stream(side)
+            warm = 0 if cached is None else cached.mark()
             with self.runner.expert_cache.quiet():  # no prefetch thread CUDA call in capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     logits = self._forward(inputs, bucket)
+            if cached is not None:
+                routes = cached.rewind(warm)  # logged again by each replay
         except RuntimeError as exc:
             log.warning(
                 "prefill of %d-token bucket runs eagerly: capture failed (%s)",
@@ -248,7 +259,9 @@ class PrefillGraphs:
             if cached is not None and device_counts is not None:
                 # the warm-up's fills are real but uncounted, like its host counts
                 cached.counters.copy_(device_counts)
-        g = _Graph(graph, inputs, logits)
+            if cached is not None:
+                cached.rewind(mark)  # the replay (or the eager run) logs this step's calls
+        g = _Graph(graph, inputs, logits, routes)
         self.graphs[bucket] = g
         log.info("captured prefill graph: %d tokens", bucket)
         return g

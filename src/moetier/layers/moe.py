@@ -144,8 +144,9 @@ class MoEBlock(nn.Module):
         cached = provider.device_cache
         if cached is not None and pairs > 0:
             # Residency, policy and miss fills on the device (offload/device_cache.py): no
-            # host sync unless an observer wants the ids.
-            if self.route_observer is not None:
+            # host sync; an observer gets the ids after the step (the route log), or at once
+            # when the log cannot hold them.
+            if self.route_observer is not None and not cached.log_routes(self.layer, ids):
                 self.route_observer(self.layer, ids.flatten().tolist(), ids.shape[1])
             ids, order = ids.sort(dim=-1)
             slots = cached.resolve(self.layer, ids)

@@ -17,6 +17,12 @@ ascending expert id, take the victims in the policy's order, ties by ascending s
   global LRU pool a step whose experts exceed the pool evicts exactly what the next layers
   need (hit rate 0 at batch 16); the quota keeps each layer's most recent experts.
 
+Routing observers (the bench's trace recorder) get each call's ids after the step, not during
+it: with the route log open (`open_route_log`), a call queues a copy of its ids into a row of
+a fixed device buffer and notes (row, layer, pairs, K) on the host; `take_routes` reads every
+call of the step in one device read after it. So an observed step keeps its CUDA graph and adds
+no sync per layer (the graphs note the calls they replay: `mark` / `rewind` / `replayed`).
+
 The fills run on the compute stream before the layer's expert kernel: their time is inside the
 step's device time, and `exposed_fetch_s` (host-path copies waited for) stays 0 on this path;
 the bench's TPOT against its bound says what they cost.
@@ -84,6 +90,55 @@ class DeviceCache:
         self.counters = torch.zeros(3, dtype=torch.int64, device=dev)
         self._arange_e = torch.arange(num_experts, device=dev)
         self._protect = torch.iinfo(torch.int64).max
+        self.route_log: torch.Tensor | None = None  # [calls, max pairs] a step's calls' ids
+        self.logged: list[tuple[int, int, int, int]] = []  # (log row, layer, pairs, K) per call
+
+    def open_route_log(self, max_pairs: int) -> None:
+        """Let calls log their routing ids for observers (up to `max_pairs` per call; rows for
+        two forwards of every layer: a capture's warm-up and the captured one)."""
+        if self.route_log is None or self.route_log.shape[1] < max_pairs:
+            dev = self.slot_of.device
+            rows = 2 * self.num_layers
+            self.route_log = torch.empty(rows, max_pairs, dtype=torch.int64, device=dev)
+
+    def log_routes(self, layer: int, ids: torch.Tensor) -> bool:
+        """Queue a copy of a call's ids [T, K] for `take_routes` (no sync); False when the log
+        is closed or too small for the call (the caller then tells its observer at once)."""
+        n, row = ids.numel(), len(self.logged)
+        log = self.route_log
+        if log is None or n > log.shape[1] or row >= log.shape[0]:
+            return False
+        log[row, :n].copy_(ids.reshape(-1))
+        self.logged.append((row, layer, n, ids.shape[1]))
+        return True
+
+    def mark(self) -> int:
+        return len(self.logged)
+
+    def rewind(self, mark: int) -> list[tuple[int, int, int, int]]:
+        """Drop the calls logged since `mark` (a capture's forwards); return them."""
+        calls = self.logged[mark:]
+        del self.logged[mark:]
+        return calls
+
+    def replayed(self, calls: list[tuple[int, int, int, int]]) -> None:
+        """A graph replay made these calls (its capture's), writing their ids to their rows."""
+        self.logged.extend(calls)
+
+    def take_routes(self) -> list[tuple[int, list[int], int]]:
+        """(layer, flat ids, K) of every call logged since the last take, in call order: one
+        device read (after the step)."""
+        log = self.route_log
+        if not self.logged or log is None:
+            self.logged.clear()
+            return []
+        flat = torch.cat([log[row, :n] for row, _, n, _ in self.logged]).tolist()
+        out, at = [], 0
+        for _, layer, n, k in self.logged:
+            out.append((layer, flat[at : at + n], k))
+            at += n
+        self.logged.clear()
+        return out
 
     def resolve(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """ids [T, K] (this layer's routing, on the device) -> slots [T, K] int32 holding them,
