@@ -105,11 +105,11 @@ def sweep(gen: torch.Generator) -> list[dict]:
             touched = len(set(ids.flatten().tolist()))
             if t == 1:
                 cfgs = [FfnConfig(bn, 256, wp, 1, True, bn, 256, wp, 1)
-                        for bn in (4, 8, 16, 32) for wp in (2, 4, 8)]  # fmt: skip
+                        for bn in (4, 8, 16) for wp in (2, 4)]  # fmt: skip
                 run_of = lambda c: lambda: expert_ffn_triton(x, pool, slots, w, I, c, layout)
             else:
                 cfgs = [GroupedConfig(bm, bn, 64, wp, 3, bn, 64, wp, 3)
-                        for bm in (32, 64) for bn in (32, 64, 128) for wp in (4, 8)]  # fmt: skip
+                        for bm in (32, 64) for bn in (64, 128) for wp in (4,)]  # fmt: skip
                 run_of = lambda c: (
                     lambda: grouped_ffn_triton(
                         x, pool, slots, w, I, S, cfg=c, experts=ids, layout=layout

@@ -6,7 +6,11 @@
 #   2. SHAPE (qwen3-30b-a3b; LAYERS layers) with every expert resident, trace routing: TTFT
 #      of a PROMPT-token prompt (64) with prefill graphs on and off (`bench latency`, 1
 #      prompt, 8 new tokens) unless SKIP_PREFILL=1;
-#   3. the GPU tests named in GPU_TESTS (pytest -k GPU_K) in the time left, or TEST_LIMIT s.
+#   3. TPOT_FORMATS (e.g. "bf16 fp8 gguf-q4_k_m"): SHAPE synthetics per format, trace routing,
+#      batch 1, the host path at the bytes bf16's 25% buys (fp8 50%, Q4_K_M 77%, Q4_K 89%,
+#      Q8_0 47%: the README's bytes per expert), and with DC=1 the device cache (lru) too;
+#   4. the GPU tests named in GPU_TESTS (pytest -k GPU_K) in the time left, or TEST_LIMIT s.
+# PROBE="family ..." first runs scripts/gpu_family_probe.py on those families.
 # Results under $OUT: kernels-results.tar.gz, summary.md, the log.
 set -uo pipefail
 START=$SECONDS
@@ -27,6 +31,7 @@ swap_in() { (cd "$BEFORE" && find . -type f) | while read -r f; do
 swap_out() { (cd "$BEFORE" && find . -type f) | while read -r f; do mv "$f.after" "$f"; done; }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+[ -n "${PROBE:-}" ] && step probe python3 scripts/gpu_family_probe.py $PROBE
 if [ -n "${BEFORE:-}" ]; then
   swap_in
   mkdir -p "$WORK/before"
@@ -44,6 +49,19 @@ if [ "${SKIP_PREFILL:-0}" != 1 ]; then
   step "prefill-graphs-off" python3 -m moetier -v bench latency "${S[@]}" \
     --set prefill_graphs=false --save-result "$WORK/prefill-off.json"
 fi
+for fmt in ${TPOT_FORMATS:-}; do
+  budget=25%
+  case $fmt in fp8) budget=50% ;; gguf-q4_k_m) budget=77% ;; gguf-q4_k) budget=89% ;;
+    gguf-q8_0) budget=47% ;; esac
+  tag="$SHAPE-L$LAYERS-$fmt"
+  step "$tag-generate" python3 -m moetier bench synthetic "$SHAPE" --layers "$LAYERS" --seed 0 \
+    --format "$fmt" || continue
+  F=(--synthetic "$SHAPE" --layers "$LAYERS" --format "$fmt"
+    --routing "trace:${TRACE:-bench/traces/demo-128x8.jsonl.gz}")
+  latency "$tag-host" "${F[@]}" --expert-budget "$budget"
+  [ "${DC:-0}" = 1 ] && latency "$tag-dc-lru" "${F[@]}" --expert-budget "$budget" \
+    --set device_cache=true
+done
 if [ -n "${GPU_TESTS:-}" ]; then
   saved=$DEADLINE
   [ -n "${TEST_LIMIT:-}" ] && DEADLINE=$((SECONDS - START + TEST_LIMIT))
@@ -57,6 +75,11 @@ tar czf "$OUT/kernels-results.tar.gz" -C "$OUT" kernels
   for f in "$WORK"/before/formats.md "$WORK"/formats.md; do
     [ -f "$f" ] && { echo; echo "## $f"; cat "$f"; }
   done
+  for f in "$WORK"/*.md; do
+    case $f in */formats.md) continue ;; esac
+    echo; echo "## $f"; grep -v "^    " "$f" | head -20
+  done
+  [ -f "$WORK/probe.log" ] && { echo; echo "## probe"; grep -v "Loading\|Writing" "$WORK/probe.log"; }
   for f in "$WORK"/prefill-*.json; do
     [ -f "$f" ] && python3 - "$f" <<'PY'
 import json, sys
