@@ -179,8 +179,16 @@ def check_parity(
         **llm_kwargs,
     )
     got = moetier_greedy(llm, prompts)
+    on_device = None
     for prompt, tokens in zip(prompts, got):
-        assert tokens == hf_greedy(ref, prompt), f"token mismatch for prompt {prompt}"
+        want = hf_greedy(ref, prompt)
+        if tokens != want and device != "cpu":
+            # A near-tied choice can fall the other way on another device for transformers
+            # too (DeepSeek-V4's tiny checkpoint, prompt [7, 8, 9], token 20 on an H100):
+            # then transformers on the same device is the reference.
+            on_device = on_device or hf_model(reference or path).to(device)
+            want = hf_greedy(on_device, prompt)
+        assert tokens == want, f"token mismatch for prompt {prompt}"
     for prompt in prompts:
         torch.testing.assert_close(
             llm.prompt_logits(prompt), hf_last_logits(ref, prompt), rtol=1e-4, atol=1e-4

@@ -124,9 +124,16 @@ def test_triton_rmsnorm_and_rope_match_reference_in_interpreter() -> None:
 
 def test_launch_shape_by_pairs() -> None:
     pytest.importorskip("triton")
-    from moetier.kernels._expert_ffn_triton import LARGE, SMALL, choose_config
+    from moetier.kernels._expert_ffn_triton import (
+        LARGE,
+        SMALL,
+        SMALL_COMPRESSED,
+        choose_config,
+    )
 
     assert choose_config(1, 8, 2048, 768) is SMALL
     assert choose_config(8, 8, 2048, 768) is SMALL  # 64 pairs
     assert choose_config(9, 8, 2048, 768) is LARGE
+    assert choose_config(8, 8, 2048, 768, compressed=True) is SMALL_COMPRESSED
+    assert choose_config(9, 8, 2048, 768, compressed=True) is LARGE
     assert SMALL.split_down and LARGE.split_down and SMALL.up_bn == LARGE.up_bn == 8

@@ -176,11 +176,18 @@ LEGACY = FfnConfig()
 # moved gate/up from 1.1-1.5 to 3.6-4.2 TB/s and down from 1.0 to 3.4-3.6 TB/s.
 SMALL = FfnConfig(8, 256, 8, 1, True, 8, 256, 4, 1)  # up to 64 pairs (decode, batch <= 8)
 LARGE = FfnConfig(8, 128, 4, 1, True, 16, 128, 4, 1)
+# Compressed slots (FP8, GGUF) at up to 64 pairs, from scripts/gpu_formats.py's sweep on the
+# H100 (bench/results/2026-12-06-formats-h100.md): 4-row tiles and 2 warps beat SMALL by
+# 8-34% at T = 1 (Q4_K_M 51.7 -> 37.1 us, Q8_0 61.9 -> 41.1, FP8 30.6 -> 28.2).
+SMALL_COMPRESSED = FfnConfig(4, 256, 2, 1, True, 4, 256, 2, 1)
 
 
-def choose_config(t: int, k: int, d: int, inter: int) -> FfnConfig:
-    """The launch shape for a layer call of T tokens x K pairs (D hidden, I intermediate)."""
-    return SMALL if t * k <= 64 else LARGE
+def choose_config(t: int, k: int, d: int, inter: int, compressed: bool = False) -> FfnConfig:
+    """The launch shape for a layer call of T tokens x K pairs (D hidden, I intermediate) on
+    dense or compressed slots."""
+    if t * k <= 64:
+        return SMALL_COMPRESSED if compressed else SMALL
+    return LARGE
 
 
 def gate_up(
@@ -263,8 +270,8 @@ def expert_ffn_triton(
     x = x.contiguous()
     slots = slots.to(torch.int32).contiguous()
     weights = weights.contiguous()
-    cfg = cfg or choose_config(t, k, x.shape[1], inter)
     layout = layout or dense_layout(x.shape[1], inter)
+    cfg = cfg or choose_config(t, k, x.shape[1], inter, layout.compressed)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     out = torch.empty_like(x)
     gate_up(x, pool, slots, h, k, inter, cfg, layout)
