@@ -96,16 +96,17 @@ def sweep(gen: torch.Generator) -> list[dict]:
         pool, dense, layout, nbytes = pool_of(name, gen)
         if layout is not None:
             layout = dataclasses.replace(layout, split=None)
-        for t in (1, 512):
+        for t in [int(v) for v in os.environ.get("SWEEP_T", "1,512").split(",")]:
             x = torch.randn(t, D, generator=gen).cuda().to(torch.bfloat16)
             ids = torch.stack([torch.randperm(S, generator=gen)[:K] for _ in range(t)])
             ids = ids.sort(-1).values.cuda()
             slots = ids.to(torch.int32)
             w = torch.rand(t, K, generator=gen).cuda()
             touched = len(set(ids.flatten().tolist()))
-            if t == 1:
-                cfgs = [FfnConfig(bn, 256, wp, 1, True, bn, 256, wp, 1)
-                        for bn in (4, 8, 16) for wp in (2, 4)]  # fmt: skip
+            if t == 1:  # rows per tile, warps, pipeline stages (the loop's loads in flight)
+                cfgs = [FfnConfig(bn, 256, wp, st, True, bn, 256, wp, st)
+                        for bn, wp, st in ((4, 2, 1), (4, 2, 2), (4, 2, 3), (8, 2, 2),
+                                           (8, 4, 3), (2, 1, 2), (4, 1, 2))]  # fmt: skip
                 run_of = lambda c: lambda: expert_ffn_triton(x, pool, slots, w, I, c, layout)
             else:
                 cfgs = [GroupedConfig(bm, bn, 64, wp, 3, bn, 64, wp, 3)
