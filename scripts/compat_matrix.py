@@ -34,7 +34,7 @@ class Column:
     module: str  # dotted test module, as junit's classname
     function: str
     suffix: str | None = None  # the parametrization id after the family ("None", "50%", ...)
-    kernel: bool = False  # a MoE kernel path: a non-silu family passes on the loop fallback
+    kernel: bool = False  # a MoE kernel path: a gelu family passes on the loop fallback
 
 
 CPU_COLUMNS = (
@@ -149,14 +149,13 @@ def family_facts() -> dict[str, tuple[str, bool]]:
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from tests.models.families import FAMILIES
-    from tests.models.parity import LOOP_ONLY_MODEL_TYPES
     from transformers import AutoConfig
 
     facts = {}
     for key, fam in FAMILIES.items():
         cfg = AutoConfig.for_model(fam.model_type, **{**fam.tiny, **fam.main})
         act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-        facts[key] = (fam.model_type, act != "silu" or fam.model_type in LOOP_ONLY_MODEL_TYPES)
+        facts[key] = (fam.model_type, act != "silu")
     return facts
 
 
@@ -210,7 +209,8 @@ def render(
         "family's recipe (tests/models/families.py); in-process (every column but the server's)",
         "it compares greedy tokens (32 new tokens, three prompts) and last-position logits with",
         "transformers.",
-        "`(loop fallback)`: the MoE kernels fuse silu only, so this family's experts ran on the",
+        "`(loop fallback)`: the MoE kernels compute silu-gated experts only (gpt-oss's and",
+        "DeepSeek-V4's clamped SwiGLUs included), so this family's experts ran on the",
         "per-expert loop (and its decode eagerly, not as CUDA graphs) with that switch on.",
         "`server (concurrent, preempted)`: one `moetier serve` per family at a 50% expert budget",
         "(tests/server/test_family_parity_served.py); concurrent greedy completions of mixed",

@@ -36,8 +36,8 @@ def test_device_cache_replays_whole_graphs_without_syncs(ckpt: Path) -> None:
     llm = LLM(str(ckpt), expert_budget="50%", device="cuda", dtype="bfloat16", progress=False,
               cuda_graphs=True, **KW)  # fmt: skip
     engine = llm.engine
-    if engine.runner.graphs is None:  # recurrent-state families (Gated DeltaNet): no graphs yet
-        pytest.skip("CUDA graphs are off for recurrent-state layers")
+    if engine.runner.graphs is None:  # recurrent state (Gated DeltaNet), DeepSeek-V4's attention
+        pytest.skip("CUDA graphs are off for this family")
     engine.add_request(PROMPTS[2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill
     engine.step()  # first decode step: captures

@@ -16,9 +16,9 @@ from moetier import LLM
 from tests.models.parity import (
     PROMPTS,
     check_parity,
+    graphs_off,
     moe_kernels_apply,
     moetier_greedy,
-    recurrent_state,
 )
 
 pytestmark = [
@@ -32,8 +32,8 @@ def test_graph_decode_parity_with_transformers(ckpt: Path) -> None:
 
 
 def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
-    if recurrent_state(ckpt):
-        pytest.skip("recurrent-state layers: decode runs eagerly (no CUDA graphs)")
+    if graphs_off(ckpt):
+        pytest.skip("recurrent-state layers or host-sized attention: no CUDA graphs")
     kw = dict(expert_budget=None, device="cuda", dtype="float32", progress=False)
     eager = LLM(str(ckpt), cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt), cuda_graphs=True, **kw)
@@ -47,7 +47,7 @@ def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
     assert [moetier_greedy(graphs, [p])[0] for p in PROMPTS] == want  # each alone
     runner = graphs.engine.runner
     assert runner.graphs is not None
-    # a block without a kernel path (not silu) is not graph-safe: its steps run eagerly
+    # a block without a kernel path (gelu) is not graph-safe: its steps run eagerly
     assert (runner.graphs.replays > 0) == moe_kernels_apply(ckpt), runner.graphs.replays
     assert not runner.graphs.failed, runner.graphs.failed
     assert eager.engine.runner.graphs is None
@@ -57,8 +57,8 @@ def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
 def test_piecewise_replays_equal_eager_steps(ckpt: Path, budget: str) -> None:
     """Offloaded decode as piecewise graphs (host fetches between MoE layers) computes what the
     eager offloaded step computes: same tokens batched and alone, same deterministic counts."""
-    if recurrent_state(ckpt):
-        pytest.skip("recurrent-state layers: decode runs eagerly (no CUDA graphs)")
+    if graphs_off(ckpt):
+        pytest.skip("recurrent-state layers or host-sized attention: no CUDA graphs")
     from tests.models.parity import min_budget
 
     b = min_budget(ckpt) if budget == "min" else budget

@@ -412,7 +412,8 @@ FAMILIES: dict[str, Family] = {
         fused=dict(num_experts_per_tok=3),
     ),
     # gpt-oss: every layer MoE, 8 experts top-4, experts fused, transposed and gate/up
-    # interleaved on disk with biases and the clamped SwiGLU (always the per-expert loop);
+    # interleaved on disk with biases and the clamped SwiGLU (its limit, 7, never reached
+    # here: tests/models/test_gpt_oss.py clamps with a lower one);
     # attention with sinks and q/k/v/o bias, sliding (window 4 < every prompt + 32 new tokens)
     # and full layers alternating; yarn rope; a biased router. Fused (already fused): top-2,
     # window 3, default rope. MXFP4 experts: tests/models/test_gpt_oss.py.
@@ -452,7 +453,8 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     # DeepSeek-V4: hyper-connected residual streams (2), every layer MoE with a shared expert
-    # and clamped SwiGLU (always the per-expert loop); hash-routed layers 0-1 (tid2eid
+    # and clamped SwiGLU (its limit, 10, never reached here: tests/models/test_deepseek_v4.py
+    # clamps with a lower one); hash-routed layers 0-1 (tid2eid
     # randomized), sqrtsoftplus top-k with correction bias after; attention over a sliding
     # window (8 < the prompts + 32 new tokens) in layer 0, plus compressed entries: CSA (rate 4,
     # overlapping windows, the indexer keeping 2 per query) in layers 1 and 3, HCA (rate 8) in

@@ -117,17 +117,13 @@ def top_k(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
 
 
-# Families whose experts' math the MoE kernels do not compute, whatever hidden_act says.
-LOOP_ONLY_MODEL_TYPES = ("gpt_oss", "deepseek_v4")
-
-
 def moe_kernels_apply(path: Path) -> bool:
-    """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: they fuse
-    silu only; another activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so
-    do gpt-oss's biased experts and DeepSeek-V4's experts with their clamped SwiGLUs (their
-    configs say silu)."""
+    """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: silu-gated
+    ones (gpt-oss's and DeepSeek-V4's clamped SwiGLUs too: their configs say silu); another
+    activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so do experts in a
+    format no kernel decodes (gpt-oss's MXFP4)."""
     cfg = text_config(path)
-    if cfg.get("model_type") in LOOP_ONLY_MODEL_TYPES:
+    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":
         return False
     return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
 
@@ -138,10 +134,22 @@ def recurrent_state(path: Path) -> bool:
     return "linear_attention" in (text_config(path).get("layer_types") or [])
 
 
+def graphs_off(path: Path) -> bool:
+    """Whether the engine captures no CUDA graphs for this checkpoint at all: recurrent state,
+    or a family whose forward reads host values a graph would fix (models/registry.py
+    `no_graphs`: DeepSeek-V4's attention)."""
+    from moetier.models.registry import FAMILIES as REGISTRY
+    from moetier.models.registry import supported_architectures
+
+    supported_architectures()  # imports every family module, which registers it
+    archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    return recurrent_state(path) or any(REGISTRY[a].no_graphs for a in archs if a in REGISTRY)
+
+
 def graphs_apply(path: Path) -> bool:
     """Whether decode steps of this checkpoint can replay as CUDA graphs (engine/graphs.py):
-    a MoE kernel computes its experts and no layer keeps recurrent state."""
-    return moe_kernels_apply(path) and not recurrent_state(path)
+    a MoE kernel computes its experts and the engine captures graphs for it (`graphs_off`)."""
+    return moe_kernels_apply(path) and not graphs_off(path)
 
 
 def min_budget(path: Path, dtype_bytes: int = 4) -> str:
@@ -149,6 +157,32 @@ def min_budget(path: Path, dtype_bytes: int = 4) -> str:
     cfg = text_config(path)
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     return f"{top_k(cfg) * 3 * cfg['hidden_size'] * inter * dtype_bytes}B"
+
+
+_GROUPED_IN_INTERPRETER = """
+from pathlib import Path
+import moetier.kernels._grouped_ffn_triton as tri
+from tests.models.parity import PROMPTS, check_parity
+calls = []
+real = tri.grouped_ffn_triton
+def counting(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+tri.grouped_ffn_triton = counting
+check_parity(Path({path!r}), None, prompts=PROMPTS[:2], moe_grouped_kernel=True,
+             moe_slot_kernel_max_pairs=0)
+assert calls
+print("ok")
+"""
+
+
+def check_grouped_kernel_in_interpreter(path: Path) -> None:
+    """`check_parity` (every expert resident, two prompts) with the grouped Triton kernel itself
+    computing every MoE call, in Triton's CPU interpreter (a fresh process: it is read at
+    import). Skipped without Triton."""
+    from tests.unit.test_expert_ffn import _run_in_interpreter
+
+    _run_in_interpreter(_GROUPED_IN_INTERPRETER.format(path=str(path)))
 
 
 def moetier_greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:

@@ -3,7 +3,10 @@ HCA windows, the indexer choosing among them) batched with short ones at every e
 chunked prefill splitting windows across steps, preemption recomputing from token 0, prefix
 caching on (the cached rows rebuild the same compressed entries), hash-routed layers using
 exactly `tid2eid[token]`, bfloat16 (transformers keeps norms, mHC weights, sinks and gate biases
-in float32; so do we), and the per-token KV row of each attention kind."""
+in float32; so do we), the per-token KV row of each attention kind, and the routed experts'
+clamped SwiGLU on the expert kernels (a recipe whose limit clamps a good share of the entries):
+slot and grouped kernels, the device cache, and the kernels' math bit-equal to the loop in
+bfloat16."""
 
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from safetensors.torch import load_file, save_file
 
 from moetier import LLM
 from moetier.engine.kv_cache import kv_layout
-from moetier.errors import ConfigError, UnsupportedModelError
-from moetier.models.deepseek_v4 import check_config
+from moetier.errors import UnsupportedModelError
+from moetier.kernels.expert_ffn import ExpertMath, expert_ffn_reference
+from moetier.models.deepseek_v4 import V4MoE, check_config
 from tests.models.families import FAMILIES
 from tests.models.parity import (
+    PROMPTS,
+    check_grouped_kernel_in_interpreter,
     check_parity,
     hf_greedy,
     hf_last_logits,
@@ -27,6 +33,7 @@ from tests.models.parity import (
     min_budget,
     moetier_greedy,
 )
+from tests.unit.test_expert_ffn import loop_output, selection_case
 
 V4 = FAMILIES["deepseek_v4"]
 NEW = 16
@@ -40,6 +47,21 @@ FORK = LONG[:64] + [11, 22, 33, 44, 55, 66, 77]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return V4.checkpoint(tmp_path_factory.mktemp("deepseek_v4"), seed=6)
+
+
+@pytest.fixture(scope="module")
+def clamped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recipe with swiglu_limit 1 (10 in the released config, which these tiny experts
+    never reach): about a sixth of the routed experts' gate and a third of their up entries
+    clamp."""
+    return V4.checkpoint(tmp_path_factory.mktemp("deepseek_v4_clamped"), seed=3, swiglu_limit=1.0)
+
+
+# the slot kernel for every step, or the grouped one (both their references on the CPU)
+KERNELS: dict[str, dict[str, Any]] = {
+    "slot": dict(moe_slot_kernel_max_pairs=1 << 20),
+    "grouped": dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -294,15 +316,18 @@ def test_quantized_checkpoints_are_refused(ckpt: Path) -> None:
         check_config(config)
 
 
-def test_parity_in_bfloat16(tmp_path: Path) -> None:
-    """The recipe stored and computed in bfloat16: the same tokens, logits within 1e-2 (they
-    come out equal: the float32 sinks promote each softmax row to float32 as in HF)."""
+@pytest.mark.parametrize("kernel", [None, "slot"])
+def test_parity_in_bfloat16(tmp_path: Path, kernel: str | None) -> None:
+    """The recipe stored and computed in bfloat16, by the per-expert loop or the slot kernel's
+    path: the same tokens, logits within 1e-2 (they come out equal: the float32 sinks promote
+    each softmax row to float32 as in HF)."""
     path = V4.checkpoint(tmp_path / "bf16", seed=6)
     tensors = load_file(str(path / "model.safetensors"))
     tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     ref = hf_model(path, torch.bfloat16)
-    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="bfloat16", progress=False)
+    kw = KERNELS[kernel] if kernel else {}
+    llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="bfloat16", progress=False, **kw)
     for prompt, tokens in zip(MIXED, moetier_greedy(llm, MIXED, NEW)):
         assert tokens == hf_greedy(ref, prompt, NEW), f"token mismatch for {len(prompt)} tokens"
         torch.testing.assert_close(
@@ -310,7 +335,49 @@ def test_parity_in_bfloat16(tmp_path: Path) -> None:
         )
 
 
-def test_device_cache_is_refused(ckpt: Path) -> None:
-    """The device cache computes with the expert kernels, whose SwiGLU has no clamp."""
-    with pytest.raises(ConfigError, match="activation the expert kernels do not fuse"):
-        _llm(ckpt, "50%", host_budget="100%", moe_grouped_kernel=True, device_cache=True)
+def test_clamp_changes_transformers_tokens(clamped: Path, tmp_path: Path) -> None:
+    # the clamped recipe means something only if the clamp moves transformers' own tokens
+    unclamped = V4.checkpoint(tmp_path / "unclamped", seed=3)
+    want = [hf_greedy(hf_model(clamped), p) for p in PROMPTS]
+    assert [hf_greedy(hf_model(unclamped), p) for p in PROMPTS] != want
+
+
+@pytest.mark.parametrize("budget", [None, "min"])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_clamped_experts_on_the_kernels(clamped: Path, kernel: str, budget: str | None) -> None:
+    stats = check_parity(clamped, min_budget(clamped) if budget else None, **KERNELS[kernel])
+    if budget is None:  # every call through the kernel path's device table
+        assert stats["resident_lookups"] > 0 and stats["requests"] == 0
+
+
+def test_clamped_experts_on_the_triton_kernel_in_interpreter(clamped: Path) -> None:
+    # the kernel itself, not its reference: transformers' tokens through the clamps
+    check_grouped_kernel_in_interpreter(clamped)
+
+
+def test_device_cache_parity(clamped: Path) -> None:
+    """The device cache (every MoE call resolved by tensor ops for the kernels) at a budget
+    that evicts: eager steps only (CUDA graphs are off for V4: Family.no_graphs)."""
+    stats = check_parity(
+        clamped, "50%", host_budget="100%", device_cache=True, **KERNELS["grouped"]
+    )
+    assert stats["host_hits"] > 0 and stats["evictions"] > 0
+    assert stats["moe_calls_host_decode"] == 0
+
+
+def test_kernel_math_equals_the_loop_bitwise_bf16() -> None:
+    """The kernels' reference (ExpertMath CLAMPED_SWIGLU, the float32 top-k sum) computes
+    V4MoE.expert_mlp's loop with the same roundings: bit-equal in bfloat16 on experts whose dot
+    products are exact, with clamps hit (an unclamped or per-add-rounded sum differs)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v4", **{**V4.tiny, **V4.main}, swiglu_limit=1.0)
+    block = V4MoE(config, 2, hashed=False).to(torch.bfloat16)
+    # top-4 (the recipe routes 2): with two terms a per-add rounding equals one rounding
+    x, gate_up, down, pool, experts, w = selection_case(24, 4, 64, 32, 8, torch.bfloat16, 2.0)
+    want = loop_output(block, x, gate_up, down, experts, w)
+    math = block.expert_math()
+    got = expert_ffn_reference(x, pool, experts, w, 32, None, math, experts)
+    assert torch.equal(got, want)
+    for other in (ExpertMath(math.act, 100.0, topk_sum=True), ExpertMath(math.act, 1.0)):
+        assert not torch.equal(expert_ffn_reference(x, pool, experts, w, 32, None, other), want)

@@ -3,7 +3,9 @@
 experts quantized into blocks + E8M0 scales, read as stored), at expert budgets 100%, 50% and
 the minimum, with prompts longer than the sliding window. The MXFP4 reference is transformers
 itself loading the MXFP4 directory with Mxfp4Config(dequantize=True) (its CPU path, offline).
-The recipe is checked to exercise the window, the sinks and the expert biases."""
+The recipe is checked to exercise the window, the sinks and the expert biases. The unquantized
+experts also run on the expert kernels (a recipe whose limit clamps a good share of the
+entries; the kernels' math bit-equal to the loop in bfloat16); MXFP4 ones stay on the loop."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from moetier import LLM
 from moetier.errors import CheckpointError, UnsupportedModelError
+from moetier.kernels.expert_ffn import ExpertMath, expert_ffn_reference
+from moetier.models.gpt_oss import GptOssMoE
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat
@@ -26,10 +30,12 @@ from tests.models.families import FAMILIES
 from tests.models.parity import (
     NEW_TOKENS,
     PROMPTS,
+    check_grouped_kernel_in_interpreter,
     hf_greedy,
     hf_last_logits,
     moetier_greedy,
 )
+from tests.unit.test_expert_ffn import loop_output, selection_case
 
 # The cross-family recipe (tests/models/families.py): every layer MoE, 8 experts top-4 (as
 # the released models), GQA 4/2 with head_dim 16, layers sliding (window 4 < every prompt + 32
@@ -71,6 +77,21 @@ def to_mxfp4(src: Path, dst: Path) -> Path:
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": MXFP4_CONFIG}))
     return dst
+
+
+@pytest.fixture(scope="module")
+def clamped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recipe with swiglu_limit 1 (7 in the released configs, which these tiny experts
+    never reach): about a sixth of the routed experts' gate and a third of their up entries
+    clamp (biases added)."""
+    return GPT_OSS.checkpoint(tmp_path_factory.mktemp("gpt_oss_clamped"), seed=3, swiglu_limit=1.0)
+
+
+# the slot kernel for every step, or the grouped one (both their references on the CPU)
+KERNELS: dict[str, dict[str, Any]] = {
+    "slot": dict(moe_slot_kernel_max_pairs=1 << 20),
+    "grouped": dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +189,76 @@ def test_parity_in_bfloat16(kind: str, dense_bf16: Path, tmp_path: Path) -> None
     # ascending expert order instead of HF's top-k sum moves them by ~3e-2 and one token).
     path = dense_bf16 if kind == "bf16" else to_mxfp4(dense_bf16, tmp_path / "mxfp4")
     check(path, "50%", torch.bfloat16, tol=1e-2)
+
+
+def test_parity_in_bfloat16_on_the_slot_kernel(dense_bf16: Path) -> None:
+    check(dense_bf16, "50%", torch.bfloat16, tol=1e-2, **KERNELS["slot"])
+
+
+def test_clamp_changes_transformers_tokens(clamped: Path, tmp_path: Path) -> None:
+    # the clamped recipe means something only if the clamp moves transformers' own tokens
+    unclamped = GPT_OSS.checkpoint(tmp_path / "unclamped", seed=3)
+    assert ref_outputs(unclamped)[0] != ref_outputs(clamped)[0]
+
+
+@pytest.mark.parametrize("budget", ["100%", "min"])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_clamped_experts_on_the_kernels(clamped: Path, kernel: str, budget: str) -> None:
+    if budget == "min":
+        budget = f"{TINY['num_experts_per_tok'] * expert_bytes(clamped)}B"
+    stats = check(clamped, budget, **KERNELS[kernel]).offload_stats()
+    if budget == "100%":  # every call through the kernel path's device table
+        assert stats["resident_lookups"] > 0 and stats["requests"] == 0
+
+
+def test_clamped_experts_on_the_triton_kernel_in_interpreter(clamped: Path) -> None:
+    # the kernel itself, not its reference: transformers' tokens through the biases and clamps
+    check_grouped_kernel_in_interpreter(clamped)
+
+
+def test_device_cache_parity(clamped: Path) -> None:
+    """The device cache (every MoE call resolved by tensor ops for the kernels) at a budget
+    that evicts."""
+    llm = check(clamped, "50%", host_budget="100%", device_cache=True, **KERNELS["grouped"])
+    stats = llm.offload_stats()
+    assert stats["host_hits"] > 0 and stats["evictions"] > 0
+    assert stats["moe_calls_host_decode"] == 0
+
+
+def test_mxfp4_experts_stay_on_the_loop(mxfp4: Path) -> None:
+    # no kernel decodes MXFP4: the runner turns the switches off, whatever was asked
+    llm = check(mxfp4, "50%", moe_grouped_kernel=True, moe_slot_kernel_max_pairs=1 << 20)
+    blocks = llm.engine.runner.model.moe_blocks()
+    assert all(b.slot_kernel_max_pairs == 0 and not b.grouped_kernel for b in blocks)
+    assert llm.offload_stats()["resident_lookups"] == 0
+
+
+def test_kernel_math_equals_the_loop_bitwise_bf16() -> None:
+    """The kernels' reference (ExpertMath GPT_OSS_SWIGLU with the resident biases, the float32
+    top-k sum) computes GptOssMoE.expert_mlp's loop with the same roundings: bit-equal in
+    bfloat16 on experts whose dot products are exact, with clamps hit (without the clamp, the
+    biases or the one rounding of the sum it differs)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gpt_oss", **TINY, swiglu_limit=1.0)
+    block = GptOssMoE(0, config)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for bias in (block.experts.gate_up_proj_bias, block.experts.down_proj_bias):
+            bias.copy_(torch.randn(bias.shape, generator=g))
+    block = block.to(torch.bfloat16)
+    x, gate_up, down, pool, experts, w = selection_case(24, 4, 64, 32, 8, torch.bfloat16, 2.0)
+    w = w.to(torch.bfloat16)  # the router's softmax is in the model dtype
+    want = loop_output(block, x, gate_up, down, experts, w)
+    math = block.expert_math()
+    assert torch.equal(expert_ffn_reference(x, pool, experts, w, 32, None, math, experts), want)
+    for other in (
+        ExpertMath(math.act, 100.0, math.alpha, math.biases, topk_sum=True),
+        ExpertMath(math.act, math.limit, math.alpha, None, topk_sum=True),
+        ExpertMath(math.act, math.limit, math.alpha, math.biases),
+    ):
+        got = expert_ffn_reference(x, pool, experts, w, 32, None, other, experts)
+        assert not torch.equal(got, want)
 
 
 def test_parity_with_chunked_prefill(mxfp4: Path) -> None:

@@ -1,14 +1,16 @@
 """kernels/grouped_ffn.py: the align puts each pair in a block of its slot (exact ids), the
 reference equals a per-pair loop with skipped pairs and a running sum, and the Triton kernel
-equals the reference (run by Triton's interpreter on the CPU when Triton is installed)."""
+equals the reference (run by Triton's interpreter on the CPU when Triton is installed), for
+every activation code (clamps hit, biases, the float32 top-k sum across waves)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, GPT_OSS_SWIGLU, expert_ffn_reference
 from moetier.kernels.grouped_ffn import align, grouped_ffn_reference
-from tests.unit.test_expert_ffn import _case, _run_in_interpreter
+from tests.unit.test_expert_ffn import _case, _run_in_interpreter, math_case
 
 
 def test_align_blocks_exact() -> None:
@@ -58,6 +60,21 @@ def test_reference_in_two_waves_equals_one_call_bf16() -> None:
     assert torch.equal(out, whole)
 
 
+def test_reference_topk_sum_in_two_waves_equals_one_call_bf16() -> None:
+    # the topk_sum wave path: a float32 running sum across waves, rounded once at the end
+    for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+        x, pool, slots, experts, w, math = math_case(act, 5, 4, 16, 8, 9, torch.bfloat16, seed=3)
+        whole = grouped_ffn_reference(x, pool, slots, w, 8, math=math, experts=experts)
+        assert torch.equal(whole, expert_ffn_reference(x, pool, slots, w, 8, None, math, experts))
+        low = experts < 4
+        out = torch.zeros(x.shape)  # float32
+        for part in (low, ~low):
+            grouped_ffn_reference(
+                x, pool, slots.masked_fill(~part, -1), w, 8, out, math=math, experts=experts
+            )
+        assert torch.equal(out.to(torch.bfloat16), whole)
+
+
 _KERNEL_CHECK = """
 import torch
 from moetier.kernels.expert_ffn import expert_ffn_reference, triton_available
@@ -96,6 +113,40 @@ print("ok")
 
 def test_triton_grouped_kernel_matches_reference_in_interpreter() -> None:
     _run_in_interpreter(_KERNEL_CHECK)
+
+
+_ACT_CHECK = """
+import torch
+from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, GPT_OSS_SWIGLU
+from moetier.kernels.grouped_ffn import grouped_ffn_reference
+from moetier.kernels._grouped_ffn_triton import GroupedConfig, grouped_ffn_triton
+from tests.unit.test_expert_ffn import clamp_hits, math_case
+for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+    for t, k, d, i, e in [(2, 4, 48, 40, 6), (9, 3, 130, 33, 8)]:
+        x, pool, slots, experts, w, math = math_case(act, t, k, d, i, e, torch.float32, seed=act)
+        gate, up = clamp_hits(x, pool, slots, experts, i, math)
+        assert gate > 0 and up > 0, (gate, up)
+        want = grouped_ffn_reference(x, pool, slots, w, i, math=math, experts=experts)
+        for cfg in [GroupedConfig(bm=16), GroupedConfig(bm=32, up_bn=16, up_bk=32, down_bn=32,
+                    down_bk=16)]:
+            # the Triton align (binned by expert ids) and, where no bias needs the ids, the
+            # PyTorch one (sorting the slots)
+            for ids in [experts] + ([None] if math.biases is None else []):
+                got = grouped_ffn_triton(x, pool, slots, w, i, e, cfg=cfg, experts=ids, math=math)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # two waves, the float32 running sum continued from `out`
+        low = experts < e // 2
+        out = torch.zeros(t, d)
+        for part in (low, ~low):
+            grouped_ffn_triton(x, pool, slots.masked_fill(~part, -1), w, i, e, out,
+                               experts=experts, math=math)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_triton_grouped_activations_match_reference_in_interpreter() -> None:
+    _run_in_interpreter(_ACT_CHECK)
 
 
 _ALIGN_CHECK = """

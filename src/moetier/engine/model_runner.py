@@ -271,9 +271,11 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            if self.state_cache is not None:
-                # The captured decode forward has no state-slot inputs: not graph-safe.
-                log.info("CUDA graphs are off for %s (recurrent-state layers)", family.name)
+            # The captured decode forward has no state-slot inputs, nor the host lengths some
+            # families' layers read (Family.no_graphs): not graph-safe.
+            why = "recurrent-state layers" if self.state_cache is not None else family.no_graphs
+            if why is not None:
+                log.info("CUDA graphs are off for %s (%s)", family.name, why)
             else:
                 self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
         self.prefill_graphs: PrefillGraphs | None = None
@@ -306,7 +308,7 @@ class ModelRunner:
     def _check_device_cache(self, config: EngineConfig, kernel_layout: Any) -> None:
         """The device cache resolves every MoE call for the expert kernels: a model whose
         experts take the per-expert loop, or a prefetcher (host-driven), cannot use it."""
-        loop = [b.layer for b in self.model.moe_blocks() if b.act_name != "silu"]
+        loop = [b.layer for b in self.model.moe_blocks() if b.kernel_act is None]
         why = None
         if kernel_layout is None:
             why = f"no expert kernel reads experts stored as {self.expert_cache.packing.name}"

@@ -5,6 +5,9 @@ activated intermediate from the slot's gate/up rows; `_down_combine` applies eac
 projection and routing weight and adds a token's pairs in ascending expert order, rounding to
 the model dtype after each add (see expert_ffn.py for the exact contract). Every weight byte is
 read once per pair, so this is meant for decode-sized batches (P pairs up to a few hundred).
+`activate` (the activation codes and biases of expert_ffn.ExpertMath) is shared with the grouped
+kernel. A token's terms are added in the dtype of `out`: the model dtype, or float32 for a
+`topk_sum` family (the caller rounds once).
 """
 
 from __future__ import annotations
@@ -16,9 +19,32 @@ import triton
 import triton.language as tl
 
 from moetier.kernels._slot_tiles_triton import dot_chunk
+from moetier.kernels.expert_ffn import PLAIN, ExpertMath, sum_dtype
 from moetier.kernels.slot_layout import SlotLayout, chunk_cols, dense_layout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs.
+
+
+@triton.jit
+def activate(g, u, bg, bu, LIMIT, ALPHA, dt: tl.constexpr, ACT: tl.constexpr,
+             BIAS: tl.constexpr):  # fmt: skip
+    """h in dt from g, u (float32 holding values already rounded to dt; any shape) and the
+    biases bg, bu (float32, read when BIAS), each op rounded to dt as the family's per-expert
+    loop rounds it (expert_ffn.py `activate`; ACT: its activation codes)."""
+    if BIAS:
+        g = (g + bg).to(dt).to(tl.float32)
+        u = (u + bu).to(dt).to(tl.float32)
+    if ACT != 0:  # the clamped SwiGLUs: gate <= limit, |up| <= limit
+        g = tl.minimum(g, LIMIT).to(dt).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT).to(dt).to(tl.float32)
+    if ACT == 2:  # gpt-oss: (up + 1) * (g * sigmoid(alpha * g))
+        s = tl.sigmoid((g * ALPHA).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        glu = (g * s).to(dt).to(tl.float32)
+        h = ((u + 1.0).to(dt).to(tl.float32) * glu).to(dt)
+    else:
+        a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        h = (a * u).to(dt)
+    return h
 
 
 @triton.jit
@@ -27,6 +53,9 @@ def _gate_up_act(
     pool_ptr,
     slot_ptr,
     h_ptr,
+    exp_ptr,
+    gb_ptr,
+    ub_ptr,
     K,
     D,
     NI,
@@ -34,8 +63,14 @@ def _gate_up_act(
     UP_OFF,
     S_OFF,
     BR,
+    B_ROW,
+    B_COL,
+    LIMIT,
+    ALPHA,
     BC: tl.constexpr,
     FMT: tl.constexpr,
+    ACT: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -56,8 +91,14 @@ def _gate_up_act(
                            BLOCK_K)  # fmt: skip
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
-    a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
-    tl.store(h_ptr + p * NI + rows, (a * u).to(dt), mask=rmask)
+    bg = 0.0
+    bu = 0.0
+    if BIAS:  # the pair's expert's biases (by expert id, not slot)
+        boff = tl.load(exp_ptr + p).to(tl.int64) * B_ROW + rows * B_COL
+        bg = tl.load(gb_ptr + boff, mask=rmask, other=0.0).to(tl.float32)
+        bu = tl.load(ub_ptr + boff, mask=rmask, other=0.0).to(tl.float32)
+    h = activate(g, u, bg, bu, LIMIT, ALPHA, dt, ACT, BIAS)
+    tl.store(h_ptr + p * NI + rows, h, mask=rmask)
 
 
 @triton.jit
@@ -67,6 +108,8 @@ def _down_combine(
     slot_ptr,
     w_ptr,
     out_ptr,
+    exp_ptr,
+    db_ptr,
     K,
     D,
     NI,
@@ -74,8 +117,10 @@ def _down_combine(
     DOWN_OFF,
     S_OFF,
     BR,
+    DB_ROW,
     BC: tl.constexpr,
     FMT: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -83,8 +128,9 @@ def _down_combine(
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < D
-    dt = out_ptr.dtype.element_ty
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)  # holds dtype-rounded values
+    dt = h_ptr.dtype.element_ty
+    odt = out_ptr.dtype.element_ty  # the sum's rounding: dt, or float32 (topk_sum)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)  # holds odt-rounded values
     for j in range(0, K):
         p = t * K + j
         slot = tl.load(slot_ptr + p).to(tl.int64)
@@ -93,10 +139,22 @@ def _down_combine(
         for k0 in range(0, NI, BLOCK_K):
             acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
                              BLOCK_K)  # fmt: skip
-        w = tl.load(w_ptr + p).to(tl.float32)
-        y = (acc.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        out = (out + y).to(dt).to(tl.float32)
-    tl.store(out_ptr + t * D + rows, out.to(dt), mask=rmask)
+        y = _bias_weight(acc, w_ptr, exp_ptr, db_ptr, p, rows, rmask, DB_ROW, dt, BIAS)
+        out = (out + y.to(tl.float32)).to(odt).to(tl.float32)
+    tl.store(out_ptr + t * D + rows, out.to(odt), mask=rmask)
+
+
+@triton.jit
+def _bias_weight(acc, w_ptr, exp_ptr, db_ptr, p, rows, rmask, DB_ROW, dt: tl.constexpr,
+                 BIAS: tl.constexpr):  # fmt: skip
+    """Pair p's term in dt from its down projection acc (float32): r(r(r(acc) + b_down) * w_p),
+    the bias (by the pair's expert id) when BIAS."""
+    y = acc.to(dt).to(tl.float32)
+    if BIAS:
+        e = tl.load(exp_ptr + p).to(tl.int64)
+        b = tl.load(db_ptr + e * DB_ROW + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = (y + b).to(dt).to(tl.float32)
+    return (y * tl.load(w_ptr + p).to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -106,19 +164,24 @@ def _down_pair(
     slot_ptr,
     w_ptr,
     y_ptr,
+    exp_ptr,
+    db_ptr,
     D,
     NI,
     stride_slot,
     DOWN_OFF,
     S_OFF,
     BR,
+    DB_ROW,
     BC: tl.constexpr,
     FMT: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One (token, expert) pair's weighted down projection, pairs in parallel: y[p] =
-    r(r(down_p · h_p) * w_p). `_combine` adds a token's pairs in order afterwards."""
+    r(r(down_p · h_p) * w_p) (with its down bias, `_bias_weight`). `_combine` adds a token's
+    pairs in order afterwards."""
     p = tl.program_id(0)
     nb = tl.program_id(1)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,14 +193,14 @@ def _down_pair(
     for k0 in range(0, NI, BLOCK_K):
         acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
                          BLOCK_K)  # fmt: skip
-    w = tl.load(w_ptr + p).to(tl.float32)
-    y = (acc.to(dt).to(tl.float32) * w).to(dt)
+    y = _bias_weight(acc, w_ptr, exp_ptr, db_ptr, p, rows, rmask, DB_ROW, dt, BIAS)
     tl.store(y_ptr + p * D + rows, y, mask=rmask)
 
 
 @triton.jit
 def _combine(y_ptr, out_ptr, K, D, BLOCK: tl.constexpr):
-    """out[t] = r(...r(r(0 + y[t,0]) + y[t,1])... + y[t,K-1]), ascending expert order."""
+    """out[t] = r(...r(r(0 + y[t,0]) + y[t,1])... + y[t,K-1]), ascending expert order, r
+    rounding to out's dtype (float32 for a topk_sum family: no rounding)."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     cols = nb * BLOCK + tl.arange(0, BLOCK)
@@ -199,27 +262,34 @@ def gate_up(
     inter: int,
     cfg: FfnConfig,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> None:
     d = x.shape[1]
     layout = layout or dense_layout(d, inter)
     bk = chunk_cols(cfg.up_bk, layout.gate_up_format, layout)
+    exp, gb, ub, _, b_row, b_col, _ = bias_args(math, experts, slots)
     _gate_up_act[(slots.numel(), triton.cdiv(inter, cfg.up_bn))](
-        x,
-        pool,
-        slots,
-        h,
-        k,
-        d,
-        inter,
-        pool.stride(0),
-        layout.up,
-        *_scale_args(layout),
-        layout.gate_up_format,
-        BLOCK_N=cfg.up_bn,
-        BLOCK_K=bk,
-        num_warps=cfg.up_warps,
-        num_stages=cfg.up_stages,
-    )
+        x, pool, slots, h, exp, gb, ub, k, d, inter, pool.stride(0), layout.up,
+        *_scale_args(layout), b_row, b_col, math.limit, math.alpha,
+        BC=layout.block[1], FMT=layout.gate_up_format, ACT=math.act,
+        BIAS=math.biases is not None, BLOCK_N=cfg.up_bn, BLOCK_K=bk,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+    )  # fmt: skip
+
+
+def bias_args(
+    math: ExpertMath, experts: torch.Tensor | None, placeholder: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """(expert ids [P] int32, gate, up and down bias, gate/up row and column strides, down row
+    stride) for a launch; `placeholder` (never read) where `math` has no biases."""
+    if math.biases is None:
+        return placeholder, placeholder, placeholder, placeholder, 0, 0, 0
+    assert experts is not None, "expert biases need the pairs' expert ids"
+    gb, ub, db = math.biases
+    assert gb.stride() == ub.stride() and db.stride(1) == 1
+    exp = experts.reshape(-1).to(torch.int32).contiguous()
+    return exp, gb, ub, db, gb.stride(0), gb.stride(1), db.stride(0)
 
 
 def down(
@@ -231,28 +301,33 @@ def down(
     inter: int,
     cfg: FfnConfig,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> None:
+    """out [T, D] (h's dtype, or float32 for the unrounded topk_sum) = each token's terms."""
     t, k = slots.shape
     d = out.shape[1]
     layout = layout or dense_layout(d, inter)
     bk = chunk_cols(cfg.down_bk, layout.down_format, layout)
+    exp, _, _, db, _, _, db_row = bias_args(math, experts, slots)
     tile = dict(
-        BLOCK_N=cfg.down_bn, BLOCK_K=bk, num_warps=cfg.down_warps,
-        num_stages=cfg.down_stages,
+        BC=layout.block[1], FMT=layout.down_format, BIAS=math.biases is not None,
+        BLOCK_N=cfg.down_bn, BLOCK_K=bk, num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip
     rows = triton.cdiv(d, cfg.down_bn)
-    at = (pool.stride(0), layout.down, *_scale_args(layout), layout.down_format)
+    at = (pool.stride(0), layout.down, *_scale_args(layout), db_row)
     if cfg.split_down:
-        y = torch.empty(t * k, d, dtype=out.dtype, device=out.device)  # [P, D]
-        _down_pair[(t * k, rows)](h, pool, slots, weights, y, d, inter, *at, **tile)
+        y = torch.empty(t * k, d, dtype=h.dtype, device=out.device)  # [P, D]
+        _down_pair[(t * k, rows)](h, pool, slots, weights, y, exp, db, d, inter, *at, **tile)
         _combine[(t, triton.cdiv(d, 512))](y, out, k, d, BLOCK=512, num_warps=4)
     else:
-        _down_combine[(t, rows)](h, pool, slots, weights, out, k, d, inter, *at, **tile)
+        _down_combine[(t, rows)](h, pool, slots, weights, out, exp, db, k, d, inter, *at, **tile)
 
 
-def _scale_args(layout: SlotLayout) -> tuple[int, int, int]:
-    """S_OFF, BR, BC of a layout (FP8's scales; placeholders otherwise, never read)."""
-    return layout.scales, layout.block[0], layout.block[1]
+def _scale_args(layout: SlotLayout) -> tuple[int, int]:
+    """S_OFF, BR of a layout (FP8's scales; placeholders otherwise, never read); BC goes by
+    name (a constexpr after the runtime arguments)."""
+    return layout.scales, layout.block[0]
 
 
 def expert_ffn_triton(
@@ -263,9 +338,12 @@ def expert_ffn_triton(
     inter: int,
     cfg: FfnConfig | None = None,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
-    (ascending expert per row), weights [T, K] -> [T, D]."""
+    (ascending expert per row), weights [T, K], experts [T, K] (their ids, read for biases
+    only) -> [T, D]; the experts compute as `math` says (expert_ffn.py)."""
     t, k = slots.shape
     x = x.contiguous()
     slots = slots.to(torch.int32).contiguous()
@@ -273,7 +351,7 @@ def expert_ffn_triton(
     layout = layout or dense_layout(x.shape[1], inter)
     cfg = cfg or choose_config(t, k, x.shape[1], inter, layout.compressed)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    out = torch.empty_like(x)
-    gate_up(x, pool, slots, h, k, inter, cfg, layout)
-    down(h, pool, slots, weights, out, inter, cfg, layout)
-    return out
+    out = torch.empty(x.shape, dtype=sum_dtype(x.dtype, math), device=x.device)
+    gate_up(x, pool, slots, h, k, inter, cfg, layout, math, experts)
+    down(h, pool, slots, weights, out, inter, cfg, layout, math, experts)
+    return out.to(x.dtype)

@@ -5,8 +5,10 @@ expert: `_grouped_gate_up` multiplies a block's token rows by its slot's gate an
 cores, float32 accumulation) and stores the activated intermediate per padded row;
 `_grouped_down` applies the slot's down projection and each pair's routing weight and stores
 y per pair; `_combine_masked` adds each token's pairs in ascending expert order (skipping pairs
-of other waves), rounding to the model dtype after each add. Each expert's weights are read once
-per block of BM pairs, so this is the path for prefill and large batches.
+of other waves), rounding to the dtype of `out` after each add (the model dtype, or float32 for
+a `topk_sum` family, which the caller rounds once). The activation and biases are the slot
+kernel's (`activate`, expert_ffn.ExpertMath). Each expert's weights are read once per block of
+BM pairs, so this is the path for prefill and large batches.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moetier.kernels._expert_ffn_triton import activate, bias_args
 from moetier.kernels._slot_tiles_triton import weight_tile_kn
+from moetier.kernels.expert_ffn import PLAIN, ExpertMath, sum_dtype
 from moetier.kernels.grouped_ffn import align
 from moetier.kernels.slot_layout import (
     Q4_K,
@@ -40,6 +44,9 @@ def _grouped_gate_up(
     pairs_ptr,
     bslot_ptr,
     h_ptr,
+    exp_ptr,
+    gb_ptr,
+    ub_ptr,
     P,
     K,
     D,
@@ -48,8 +55,14 @@ def _grouped_gate_up(
     UP_OFF,
     S_OFF,
     BR,
+    B_ROW,
+    B_COL,
+    LIMIT,
+    ALPHA,
     BC: tl.constexpr,
     FMT: tl.constexpr,
+    ACT: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -90,10 +103,17 @@ def _grouped_gate_up(
             acc_u = tl.dot(xa, wu, acc_u)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
-    a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    bg = 0.0
+    bu = 0.0
+    if BIAS:  # each row's expert's biases (by expert id; padding rows read none)
+        e = tl.load(exp_ptr + pair, mask=mmask, other=0).to(tl.int64)  # [BM]
+        boff = e[:, None] * B_ROW + rows_n[None, :] * B_COL  # [BM, BN]
+        bmask = mmask[:, None] & nmask[None, :]
+        bg = tl.load(gb_ptr + boff, mask=bmask, other=0.0).to(tl.float32)
+        bu = tl.load(ub_ptr + boff, mask=bmask, other=0.0).to(tl.float32)
     tl.store(
         h_ptr + rows_m[:, None].to(tl.int64) * NI + rows_n[None, :],
-        (a * u).to(dt),
+        activate(g, u, bg, bu, LIMIT, ALPHA, dt, ACT, BIAS),
         mask=nmask[None, :],
     )
 
@@ -106,6 +126,8 @@ def _grouped_down(
     bslot_ptr,
     w_ptr,
     y_ptr,
+    exp_ptr,
+    db_ptr,
     P,
     D,
     NI,
@@ -113,14 +135,17 @@ def _grouped_down(
     DOWN_OFF,
     S_OFF,
     BR,
+    DB_ROW,
     BC: tl.constexpr,
     FMT: tl.constexpr,
+    BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """y[p] = r(r(down_slot · h_row) * w_p) for the block's pairs, stored at pair p."""
+    """y[p] = r(r(down_slot · h_row) * w_p) for the block's pairs, stored at pair p; with
+    BIAS, r(r(r(down_slot · h_row) + b_down) * w_p), the bias of the pair's expert id."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(bslot_ptr + b)
@@ -150,7 +175,16 @@ def _grouped_down(
         else:
             acc = tl.dot(ha, wd, acc)
     w = tl.load(w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
-    y = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
+    y = acc.to(dt).to(tl.float32)
+    if BIAS:
+        e = tl.load(exp_ptr + pair, mask=mmask, other=0).to(tl.int64)  # [BM]
+        bd = tl.load(
+            db_ptr + e[:, None] * DB_ROW + rows_n[None, :],
+            mask=mmask[:, None] & nmask[None, :],
+            other=0.0,
+        )  # [BM, BN]
+        y = (y + bd.to(tl.float32)).to(dt).to(tl.float32)
+    y = (y * w[:, None]).to(dt)
     tl.store(
         y_ptr + pair[:, None].to(tl.int64) * D + rows_n[None, :],
         y,
@@ -160,8 +194,9 @@ def _grouped_down(
 
 @triton.jit
 def _combine_masked(y_ptr, slots_ptr, out_ptr, K, D, ACCUM: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = r(...r(r(start + y[t,0]) + y[t,1])... ), pairs with slot -1 skipped (their y
-    rows were never written: read, then not selected); start = out[t] (ACCUM) or 0."""
+    """out[t] = r(...r(r(start + y[t,0]) + y[t,1])... ), r rounding to out's dtype, pairs with
+    slot -1 skipped (their y rows were never written: read, then not selected); start = out[t]
+    (ACCUM) or 0."""
     t = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     cols = nb * BLOCK + tl.arange(0, BLOCK)
@@ -301,12 +336,13 @@ def grouped_ffn_triton(
     cfg: GroupedConfig | None = None,
     experts: torch.Tensor | None = None,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
 ) -> torch.Tensor:
     """x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
     (ascending expert per row, -1 = skip), weights [T, K] -> [T, D] (`out` updated in place
-    when given). `experts` [T, K] (the pairs' expert
-    ids, < max_experts): the align runs as three Triton launches binned by them, else as
-    PyTorch ops sorting the slots."""
+    when given, in its dtype: float32 for a topk_sum `math`). `experts` [T, K] (the pairs'
+    expert ids, < max_experts; needed by biases): the align runs as three Triton launches
+    binned by them, else as PyTorch ops sorting the slots."""
     t, k = slots.shape
     d = x.shape[1]
     p = t * k
@@ -316,9 +352,9 @@ def grouped_ffn_triton(
     cfg = cfg or choose_config(p, max_experts)
     accum = out is not None
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=sum_dtype(x.dtype, math), device=x.device)
     if p == 0:
-        return out.zero_() if not accum else out
+        return out.zero_().to(x.dtype) if not accum else out
     if experts is not None:
         pairs, block_slot = align_triton(experts, slots, cfg.bm, max_experts)  # [NB*BM], [NB]
     else:
@@ -328,22 +364,26 @@ def grouped_ffn_triton(
     # so there the operands are upcast (bf16 products are exact in fp32 either way)
     ieee = x.dtype == torch.float32 or not x.is_cuda
     layout = layout or dense_layout(d, inter)
-    scales = (layout.scales, layout.block[0], layout.block[1])
+    scales = (layout.scales, layout.block[0])
+    bias = math.biases is not None
+    exp, gb, ub, db, b_row, b_col, db_row = bias_args(math, experts, slots)
     up_bk = _tile(cfg.up_bk, layout.gate_up_format, layout)
     h = torch.empty(nb * cfg.bm, inter, dtype=x.dtype, device=x.device)  # [NB*BM, I]
     _grouped_gate_up[(nb, triton.cdiv(inter, cfg.up_bn))](
-        x, pool, pairs, block_slot, h, p, k, d, inter, pool.stride(0), layout.up, *scales,
-        layout.gate_up_format,
+        x, pool, pairs, block_slot, h, exp, gb, ub, p, k, d, inter, pool.stride(0), layout.up,
+        *scales, b_row, b_col, math.limit, math.alpha,
+        BC=layout.block[1], FMT=layout.gate_up_format, ACT=math.act, BIAS=bias,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.up_bn, BLOCK_K=up_bk, IEEE=ieee,
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
     down_bk = _tile(cfg.down_bk, layout.down_format, layout)
     y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
     _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
-        h, pool, pairs, block_slot, weights, y, p, d, inter, pool.stride(0), layout.down, *scales,
-        layout.down_format,
+        h, pool, pairs, block_slot, weights, y, exp, db, p, d, inter, pool.stride(0),
+        layout.down, *scales, db_row,
+        BC=layout.block[1], FMT=layout.down_format, BIAS=bias,
         BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=down_bk, IEEE=ieee,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip
     _combine_masked[(t, triton.cdiv(d, 512))](y, slots, out, k, d, ACCUM=accum, BLOCK=512)
-    return out
+    return out if accum else out.to(x.dtype)

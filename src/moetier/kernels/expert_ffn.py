@@ -1,15 +1,27 @@
 """Routed experts of one MoE layer computed straight from the device slot pool, in place.
 
-Owns the slot-reading expert kernels (Triton, CUDA) and their PyTorch reference; knows nothing
-of which experts are resident or how they got there (the expert cache owns that).
+Owns the slot-reading expert kernels (Triton, CUDA) and their PyTorch reference, and the
+vocabulary of what an expert computes around its matrices (`ExpertMath`); knows nothing of
+which experts are resident or how they got there (the expert cache owns that).
 
 Semantics, shared by kernel and reference, equal to the per-expert loop in layers/moe.py:
 for token t and its K (token, expert) pairs sorted by ascending expert id,
-    h   = act(r(gate · x)) * r(up · x)             rounded to the model dtype after each op
+    h   = act(r(gate · x), r(up · x))              rounded to the model dtype after each op
     y_k = r(r(down · h) * w_k)                      w_k the routing weight, product in float32
     out = r(...r(r(0 + y_0) + y_1)... + y_{K-1})   one rounding per add, ascending expert order
 so a bf16 model rounds exactly where the loop does (a different order flips near-tied routing
-decisions in later layers). Dot products accumulate in float32 in both.
+decisions in later layers). Dot products accumulate in float32 in both. `act` (ExpertMath.act,
+each op rounded, g = r(gate · x), u = r(up · x)):
+    SILU            h = r(r(silu(g)) * u)
+    CLAMPED_SWIGLU  g = r(min(g, limit)), u = r(clamp(u, -limit, limit)), then SILU's
+                    (DeepSeek-V4's routed experts)
+    GPT_OSS_SWIGLU  g, u clamped as above, h = r(r(u + 1) * r(g * r(sigmoid(r(g * alpha)))))
+with per-expert biases (gpt-oss; indexed by expert id, not slot) added to g and u before the
+activation (g = r(g + b_gate), ...) and to the down projection before the routing weight
+(y_k = r(r(r(down · h) + b_down) * w_k)). A family whose loop sums each token's K terms at once
+(`topk_sum`: DeepSeek-V4, gpt-oss, as transformers' grouped_mm experts do) gets them added in
+float32 and rounded once (ascending expert order; the loop's top-k order differs only in
+float32 rounding).
 
 Slot layout (kernels/slot_layout.py): one packed row per slot, [gate rows (I x D) | up rows
 (I x D) | down (D x I)] in the model dtype, or the same three matrices in FP8 with block scales,
@@ -18,6 +30,7 @@ dequantized in registers and rounded to the model dtype (as the reference dequan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +39,32 @@ import torch.nn.functional as F
 from moetier.kernels.slot_layout import SlotLayout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, S slots, P = T*K pairs.
+
+# Activation codes (constexpr ACT in the kernels), as the module docstring defines them.
+SILU, CLAMPED_SWIGLU, GPT_OSS_SWIGLU = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertMath:
+    """What a layer's experts compute around their three matrices (module docstring): the
+    activation code with its clamp `limit` and sigmoid `alpha`, optional biases by expert id
+    (gate [E, I] and up [E, I] sharing any strides, down [E, D] with contiguous rows; all
+    three or none) and whether each token's K terms are summed in float32 and rounded once."""
+
+    act: int = SILU
+    limit: float = 0.0
+    alpha: float = 1.0
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    topk_sum: bool = False
+
+
+PLAIN = ExpertMath()
+
+
+def sum_dtype(dtype: torch.dtype, math: ExpertMath | None) -> torch.dtype:
+    """The dtype a token's terms are added in: float32 for `topk_sum` (rounded once after)."""
+    return torch.float32 if math is not None and math.topk_sum else dtype
+
 
 _triton: Any = None
 
@@ -58,6 +97,21 @@ def densify(
     return torch.stack(rows), torch.where(slots >= 0, index, slots)
 
 
+def activate(
+    g: torch.Tensor, u: torch.Tensor, math: ExpertMath, experts: torch.Tensor | None
+) -> torch.Tensor:
+    """h from the projections g, u [P, I] (model dtype), the ops of each family's loop in its
+    order (module docstring); experts [P]: the pairs' expert ids (read for biases only)."""
+    if math.biases is not None:
+        assert experts is not None, "expert biases need the pairs' expert ids"
+        g, u = g + math.biases[0][experts], u + math.biases[1][experts]
+    if math.act != SILU:
+        g, u = g.clamp(max=math.limit), u.clamp(min=-math.limit, max=math.limit)
+    if math.act == GPT_OSS_SWIGLU:
+        return (u + 1) * (g * torch.sigmoid(g * math.alpha))
+    return F.silu(g) * u
+
+
 def pair_outputs(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -65,9 +119,13 @@ def pair_outputs(
     weights: torch.Tensor,
     inter: int,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each (token, expert) pair's weighted output y [T, K, D] in x.dtype (the rounding of the
-    contract above), slots [T, K] >= 0. Shared by the references here and in grouped_ffn.py."""
+    contract above), slots [T, K] >= 0, experts [T, K] their expert ids (read for biases only).
+    Shared by the references here and in grouped_ffn.py."""
+    ids = None if experts is None else experts.reshape(-1).long()  # [P]
     pool, slots = densify(pool, slots, layout)
     t, k = slots.shape
     d = x.shape[1]
@@ -78,8 +136,10 @@ def pair_outputs(
     xp = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [P, D, 1]
     g = torch.bmm(gate, xp).squeeze(-1)  # [P, I]
     u = torch.bmm(up, xp).squeeze(-1)
-    h = F.silu(g) * u
+    h = activate(g, u, math, ids)
     y = torch.bmm(down, h.unsqueeze(-1)).squeeze(-1)  # [P, D]
+    if math.biases is not None:
+        y = y + math.biases[2][ids]
     return (y * weights.reshape(-1, 1).float()).to(x.dtype).view(t, k, d)  # [T, K, D]
 
 
@@ -90,14 +150,17 @@ def expert_ffn_reference(
     weights: torch.Tensor,
     inter: int,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool [S, row] (dense [S, 3ID] unless `layout` says), slots [T, K] int
-    (ascending expert per row), weights [T, K] -> [T, D] in x.dtype. Silu-gated experts."""
-    y = pair_outputs(x, pool, slots, weights, inter, layout)  # [T, K, D]
-    out = torch.zeros_like(x)
+    (ascending expert per row), weights [T, K], experts [T, K] (their ids; read for biases
+    only) -> [T, D] in x.dtype. The experts compute as `math` says (default: silu-gated)."""
+    y = pair_outputs(x, pool, slots, weights, inter, layout, math, experts)  # [T, K, D]
+    out = torch.zeros(x.shape, dtype=sum_dtype(x.dtype, math), device=x.device)
     for j in range(slots.shape[1]):
         out += y[:, j]
-    return out
+    return out.to(x.dtype)
 
 
 def expert_ffn(
@@ -107,11 +170,15 @@ def expert_ffn(
     weights: torch.Tensor,
     inter: int,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel when Triton and the device allow it, else the reference (same contract)."""
     if kernel_ok(x):
-        return _triton.expert_ffn_triton(x, pool, slots, weights, inter, layout=layout)
-    return expert_ffn_reference(x, pool, slots, weights, inter, layout)
+        return _triton.expert_ffn_triton(
+            x, pool, slots, weights, inter, layout=layout, math=math, experts=experts
+        )
+    return expert_ffn_reference(x, pool, slots, weights, inter, layout, math, experts)
 
 
 def kernel_ok(x: torch.Tensor) -> bool:

@@ -5,12 +5,14 @@ Owns the grouped expert kernel's host side (the sort/align of (token, expert) pa
 of one slot each, launch-shape choice) and its plain-PyTorch reference; knows nothing of which
 experts are resident or how they got there (the expert cache owns that).
 
-Semantics, shared by kernel and reference, are kernels/expert_ffn.py's (silu-gated experts, the
-model dtype rounding after each op, each token's terms added in ascending expert order with one
-rounding per add), plus two things the wave path needs:
+Semantics, shared by kernel and reference, are kernels/expert_ffn.py's (the experts'
+activation and biases of its `ExpertMath`, the model dtype rounding after each op, each token's
+terms added in ascending expert order with one rounding per add, or in float32 for topk_sum),
+plus two things the wave path needs:
 - a pair whose slot is -1 is not part of this call (its expert is in another wave) and adds
   nothing;
-- `out`, when given, is where the adds start (the earlier waves' lower experts), else zeros.
+- `out`, when given, is where the adds start (the earlier waves' lower experts), else zeros;
+  the adds round to its dtype (a topk_sum caller passes float32 and rounds once at the end).
 The dot products accumulate in float32 in another order than the slot kernel's (tensor-core
 tiles), so a bf16 result may differ from it by an ulp; the parity tests hold either way.
 
@@ -22,7 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from moetier.kernels.expert_ffn import kernel_ok, pair_outputs, triton_available
+from moetier.kernels.expert_ffn import (
+    PLAIN,
+    ExpertMath,
+    kernel_ok,
+    pair_outputs,
+    sum_dtype,
+    triton_available,
+)
 from moetier.kernels.slot_layout import SlotLayout
 
 # The crossover on CUDA: a layer call of at most this many (token, expert) pairs runs the slot
@@ -44,16 +53,19 @@ def grouped_ffn_reference(
     inter: int,
     out: torch.Tensor | None = None,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, D], pool [S, row] (dense [S, 3ID] unless `layout` says), slots [T, K] int
-    (ascending expert per row, -1 = not in this call), weights [T, K] -> [T, D] in x.dtype
-    (`out` updated in place when given)."""
+    (ascending expert per row, -1 = not in this call), weights [T, K], experts [T, K] (their
+    ids, read for biases only) -> [T, D] in x.dtype (`out` updated in place when given, in its
+    dtype)."""
     valid = slots >= 0  # [T, K]
-    y = pair_outputs(x, pool, slots.clamp(min=0), weights, inter, layout)  # [T, K, D]
-    acc = torch.zeros_like(x) if out is None else out
+    y = pair_outputs(x, pool, slots.clamp(min=0), weights, inter, layout, math, experts)
+    acc = x.new_zeros(x.shape, dtype=sum_dtype(x.dtype, math)) if out is None else out
     for j in range(slots.shape[1]):
         acc.copy_(torch.where(valid[:, j, None], acc + y[:, j], acc))
-    return acc
+    return acc if out is not None else acc.to(x.dtype)
 
 
 def align(slots: torch.Tensor, bm: int, max_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,14 +111,17 @@ def grouped_ffn(
     out: torch.Tensor | None = None,
     experts: torch.Tensor | None = None,
     layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
 ) -> torch.Tensor:
     """The grouped kernel when Triton and the device allow it, else the reference (same
     contract). `max_experts`: most distinct slots the call can touch (the layer's expert count);
-    `experts` [T, K]: the pairs' expert ids (< max_experts), for the kernel's faster align."""
+    `experts` [T, K]: the pairs' expert ids (< max_experts), for the kernel's faster align and
+    the experts' biases (`math`)."""
     if kernel_ok(x) and triton_available():
         from moetier.kernels import _grouped_ffn_triton as tri
 
         return tri.grouped_ffn_triton(
-            x, pool, slots, weights, inter, max_experts, out, experts=experts, layout=layout
-        )
-    return grouped_ffn_reference(x, pool, slots, weights, inter, out, layout)
+            x, pool, slots, weights, inter, max_experts, out, experts=experts, layout=layout,
+            math=math,
+        )  # fmt: skip
+    return grouped_ffn_reference(x, pool, slots, weights, inter, out, layout, math, experts)

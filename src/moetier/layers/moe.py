@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from moetier.kernels.expert_ffn import expert_ffn
+from moetier.kernels.expert_ffn import SILU, ExpertMath, expert_ffn, sum_dtype
 from moetier.kernels.grouped_ffn import grouped_ffn
 from moetier.kernels.slot_layout import SlotLayout
 from moetier.offload.types import ExpertBatch, ExpertProvider
@@ -50,6 +50,10 @@ class MoEBlock(nn.Module):
         self.gate = gate
         self.act = ACT2FN[act]
         self.act_name = act
+        # The activation code the expert kernels compute for this block's experts
+        # (kernels/expert_ffn.py; `expert_math` adds its parameters), None when they cannot
+        # (Gemma 4's gelu): then every call takes the per-expert loop.
+        self.kernel_act: int | None = SILU if act == "silu" else None
         self.provider: ExpertProvider | None = None
         self.num_experts = getattr(getattr(gate, "weight", None), "shape", (0,))[0]
         self.weights_dtype_cast = False  # cast routing weights to x.dtype before scaling (Qwen2)
@@ -85,12 +89,12 @@ class MoEBlock(nn.Module):
         # (offload/prefetcher.py). Never called on the all-resident path.
         self.prefetcher: Callable[[int, list[int], torch.Tensor | None], None] | None = None
 
-    # The switches read off for a block whose experts are not the kernels' math (they fuse a
-    # plain SwiGLU: `act_name` "silu"), whatever the runner sets, so the block never claims a
-    # kernel path it does not take (CUDA graphs capture only blocks whose steps take one).
+    # The switches read off for a block whose experts the kernels do not compute (`kernel_act`
+    # None), whatever the runner sets, so the block never claims a kernel path it does not
+    # take (CUDA graphs capture only blocks whose steps take one).
     @property
     def slot_kernel_max_pairs(self) -> int:
-        return self._slot_pairs if self.act_name == "silu" else 0
+        return self._slot_pairs if self.kernel_act is not None else 0
 
     @slot_kernel_max_pairs.setter
     def slot_kernel_max_pairs(self, pairs: int) -> None:
@@ -98,11 +102,18 @@ class MoEBlock(nn.Module):
 
     @property
     def grouped_kernel(self) -> bool:
-        return self._grouped and self.act_name == "silu"
+        return self._grouped and self.kernel_act is not None
 
     @grouped_kernel.setter
     def grouped_kernel(self, on: bool) -> None:
         self._grouped = on
+
+    def expert_math(self) -> ExpertMath:
+        """What the kernels compute around each expert's matrices (kernels/expert_ffn.py):
+        `kernel_act` and the sum of `expert_mlp`'s loop. Families whose experts clamp or carry
+        biases override it with their parameters."""
+        assert self.kernel_act is not None, "the expert kernels do not compute this block"
+        return ExpertMath(self.kernel_act, topk_sum=self.topk_sum)
 
     def compute(
         self,
@@ -117,12 +128,13 @@ class MoEBlock(nn.Module):
         few pairs, the grouped kernel above."""
         assert self.provider is not None
         inter = self.provider.intermediate
-        layout = self.slot_layout
+        layout, math = self.slot_layout, self.expert_math()
         if slots.numel() <= self.slot_kernel_max_pairs:
-            return expert_ffn(x, pool, slots, weights, inter, layout)
+            return expert_ffn(x, pool, slots, weights, inter, layout, math=math, experts=experts)
         return grouped_ffn(
-            x, pool, slots, weights, inter, self.num_experts, experts=experts, layout=layout
-        )
+            x, pool, slots, weights, inter, self.num_experts, experts=experts, layout=layout,
+            math=math,
+        )  # fmt: skip
 
     def routed(self, x: torch.Tensor, *route_args: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]; `route_args` go to the router after x (DeepSeek-V4's hash
@@ -133,11 +145,7 @@ class MoEBlock(nn.Module):
         provider = self.provider
         assert provider is not None, "expert provider not attached"
         pairs = ids.numel()
-        kernel = (
-            pairs > 0
-            and self.act_name == "silu"
-            and (pairs <= self.slot_kernel_max_pairs or self.grouped_kernel)
-        )
+        kernel = pairs > 0 and (pairs <= self.slot_kernel_max_pairs or self.grouped_kernel)
         if kernel and self.splitter is not None:
             out: torch.Tensor = self.splitter.split(self, x, ids, weights)
             return out
@@ -232,11 +240,13 @@ class MoEBlock(nn.Module):
         counts = torch.bincount(flat, minlength=1).tolist()
         experts = [e for e, c in enumerate(counts) if c]
         provider.count_routed(flat.numel(), len(experts))
-        out = torch.zeros_like(x)
+        math = self.expert_math() if kernel else None
+        # the running sum across waves: float32 for a kernel's topk_sum (rounded once at the end)
+        out = x.new_zeros(x.shape, dtype=sum_dtype(x.dtype, math))
         terms = None  # [T, K, D] each pair's weighted output (topk_sum)
         if self.topk_sum and not kernel:
             terms = x.new_zeros(x.shape[0], k, x.shape[1])
-        if kernel:  # slots per wave from a lookup on the device; the loop's indexes not needed
+        if math is not None:  # slots per wave from a device lookup; the loop's indexes unneeded
             sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
             sorted_weights = weights.gather(1, by_expert)
         else:  # pairs grouped by expert: each expert's token rows and routing positions
@@ -257,20 +267,21 @@ class MoEBlock(nn.Module):
                 if w0 + provider.max_batch >= len(experts):  # the layer's last wave is pinned
                     one_wave = len(experts) <= provider.max_batch  # else nothing to stream into
                     self._prefetch(host_ids, x, len(experts) if one_wave else 0)
-                if kernel:
+                if math is not None:
                     batch.ready_all()
                     lookup = _slot_lookup(batch, len(counts)).to(x.device, non_blocking=True)
                     wave_slots = lookup[sorted_ids]  # [T, K], -1 = another wave's expert
                     grouped_ffn(
                         x, batch.pool, wave_slots, sorted_weights, provider.intermediate,
                         self.num_experts, out, experts=sorted_ids, layout=self.slot_layout,
+                        math=math,
                     )  # fmt: skip
                 else:
                     spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
                     self._wave_loop(x, out, batch, spans, tokens, kpos, weights, terms)
             finally:
                 provider.release(batch)
-        return out if terms is None else terms.sum(dim=1)
+        return out.to(x.dtype) if terms is None else terms.sum(dim=1)
 
     def _prefetch(
         self, host_ids: list[int], hidden: torch.Tensor | None, distinct: int = 0
@@ -332,7 +343,8 @@ class MoEBlock(nn.Module):
     ) -> torch.Tensor:
         """One expert on its tokens' rows (the per-expert loop): x [n, D], gate_up [2I, D]
         (gate rows, then up rows), down [D, I] -> [n, D]. A family whose experts compute
-        otherwise (gpt-oss: biases and a clamped SwiGLU) overrides it and turns the kernels off."""
+        otherwise (gpt-oss: biases and a clamped SwiGLU) overrides it, and `expert_math` to
+        match (or sets `kernel_act` None: the kernels then stay off)."""
         g, u = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
         return F.linear(self.act(g) * u, down)
 

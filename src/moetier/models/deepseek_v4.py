@@ -7,8 +7,10 @@ SwiGLU clamped at swiglu_limit in routed and shared experts alike.
 Module names are the checkpoint's as transformers saves it (`model.layers.{i}.attn.wq_a`,
 `ffn.experts.{e}.w1`, `hc_attn_fn`, `head.weight`, ...). The hash routers need the step's token
 ids: the model hands them to each MoE block beside the hidden states. Routed experts go through
-MoEBlock and the expert tiers like every family's; their clamped SwiGLU is not the kernels'
-math, so they take the per-expert loop (and decode steps no CUDA graphs).
+MoEBlock and the expert tiers like every family's; the expert kernels compute their clamped
+SwiGLU (kernels/expert_ffn.py CLAMPED_SWIGLU). No CUDA graphs: the attention sizes each
+sequence's history and compressed entries from host lengths, which a graph would fix
+(`Family.no_graphs`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from moetier.errors import UnsupportedModelError
+from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, ExpertMath
 from moetier.layers.compressed_attention import LAYER_KINDS, CompressedAttention
 from moetier.layers.context import ForwardContext
 from moetier.layers.deepseek_v4_router import V4HashRouter, V4TopKRouter
@@ -52,8 +55,8 @@ class ClampedMLP(nn.Module):
 
 class V4MoE(MoEBlock):
     """Routed experts (hash or top-k routed) plus the shared expert, summed as in HF. Each
-    token's K expert outputs are summed at once, as transformers' grouped_mm experts do. The
-    kernel switches read off whatever the runner sets (they fuse a plain SwiGLU)."""
+    token's K expert outputs are summed at once, as transformers' grouped_mm experts do; the
+    expert kernels compute the clamped SwiGLU and that sum (`expert_math`)."""
 
     def __init__(self, config: Any, layer: int, hashed: bool) -> None:
         gate = V4HashRouter(config) if hashed else V4TopKRouter(config)
@@ -62,9 +65,13 @@ class V4MoE(MoEBlock):
         self.hashed, self.limit = hashed, float(config.swiglu_limit)
         self.shared_experts = ClampedMLP(config.hidden_size, inter, config.hidden_act, self.limit)
         self.topk_sum = True
-        # Not plain silu: the kernels' SwiGLU has no clamp, so the kernel switches read off
-        # (MoEBlock) and the device cache refuses the block (model_runner.py).
         self.act_name = "clamped_silu"
+        # the kernels clamp before silu; any other gate activation takes the per-expert loop
+        self.kernel_act = CLAMPED_SWIGLU if config.hidden_act == "silu" else None
+
+    def expert_math(self) -> ExpertMath:
+        assert self.kernel_act is not None, "the expert kernels do not compute this block"
+        return ExpertMath(self.kernel_act, self.limit, topk_sum=self.topk_sum)
 
     def expert_mlp(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int
@@ -174,5 +181,6 @@ FAMILY = register("DeepseekV4ForCausalLM")(
         expert_prefixes,
         (("lm_head.", "head."),),
         adapt_config=check_config,
+        no_graphs="its attention sizes each sequence's history from host lengths",
     )
 )

@@ -8,8 +8,9 @@ Experts are stored fused, gate and up interleaved in the 2I dim: bfloat16 as
 checkpoints, `quantization_config.quant_method: mxfp4`) as `*_blocks` + `*_scales`, read as
 stored and decoded per expert where computed (weights/experts.py, weights/mxfp4.py). Their
 biases (`gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, D]) are small and stay resident in
-the MoE block. The experts' math is not the kernels' (silu only), so the block computes with
-the per-expert loop.
+the MoE block, where the expert kernels read them by expert id. The kernels compute the
+bfloat16/float32 experts (kernels/expert_ffn.py GPT_OSS_SWIGLU, with the biases); MXFP4 has no
+kernel decode, so those experts take the per-expert loop (kernels/slot_layout.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import UnsupportedModelError
+from moetier.kernels.expert_ffn import GPT_OSS_SWIGLU, ExpertMath
 from moetier.layers.context import ForwardContext
 from moetier.layers.gpt_oss_attention import GptOssAttention
 from moetier.layers.moe import MoEBlock, moe_config
@@ -74,10 +76,8 @@ class GptOssExpertBiases(nn.Module):
 
 
 class GptOssMoE(MoEBlock):
-    """Routed experts with biases and the clamped SwiGLU (HF's GptOssExperts), computed one
-    expert at a time by MoEBlock's loop through `expert_mlp`. Its `act_name` is not "silu"
-    (the kernels fuse plain silu), so the kernel switches read off: CUDA graphs (engine/graphs.py
-    `graph_safe`), the fused paths and the device cache skip the block."""
+    """Routed experts with biases and the clamped SwiGLU (HF's GptOssExperts): by the expert
+    kernels (`expert_math`), or one expert at a time by MoEBlock's loop through `expert_mlp`."""
 
     def __init__(self, layer: int, config: Any) -> None:
         num_experts, top_k, inter = moe_config(config)
@@ -88,6 +88,14 @@ class GptOssMoE(MoEBlock):
         self.alpha = float(config.swiglu_alpha)
         self.limit = float(config.swiglu_limit)
         self.act_name = "clamped_silu"
+        self.kernel_act = GPT_OSS_SWIGLU
+
+    def expert_math(self) -> ExpertMath:
+        """The kernels' view of `expert_mlp`: its biases as views of the resident ones (gate
+        = even columns, up = odd; no copy, so they follow the loaded values)."""
+        gate_up = self.experts.gate_up_proj_bias  # [E, 2I] interleaved
+        biases = (gate_up[:, 0::2], gate_up[:, 1::2], self.experts.down_proj_bias)
+        return ExpertMath(GPT_OSS_SWIGLU, self.limit, self.alpha, biases, self.topk_sum)
 
     def expert_mlp(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert: int

@@ -29,6 +29,9 @@ class Family:
     # Fused gate_up tensors alternate gate and up rows (gpt-oss); weights/experts.py
     # de-interleaves them while packing.
     gate_up_interleaved: bool = False
+    # Why the family's forward cannot be captured as a CUDA graph (a layer reads host values
+    # that a graph would fix), or None; the model runner then keeps graphs off.
+    no_graphs: str | None = None
 
 
 FAMILIES: dict[str, Family] = {}
