@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the expert kernels and prefill, from the repo root on the GPU machine:
 #   1. the compressed-slot kernels' bandwidth (scripts/gpu_formats.py, with its launch-shape
-#      sweep unless SWEEP=0); with BEFORE=DIR first the same without the sweep on DIR's files
+#      sweep unless SWEEP=0) unless SKIP_FORMATS=1; with BEFORE=DIR first the same without the sweep on DIR's files
 #      (a tree mirroring the repo's, swapped in: an A/B in one call);
 #   2. SHAPE (qwen3-30b-a3b; LAYERS layers) with every expert resident, trace routing: TTFT
 #      of a PROMPT-token prompt (64) with prefill graphs on and off (`bench latency`, 1
@@ -38,7 +38,8 @@ if [ -n "${BEFORE:-}" ]; then
   step formats-before env OUT="$WORK/before" SWEEP=0 python3 scripts/gpu_formats.py
   swap_out
 fi
-step formats env OUT="$WORK" SWEEP="${SWEEP:-1}" python3 scripts/gpu_formats.py
+[ "${SKIP_FORMATS:-0}" != 1 ] &&
+  step formats env OUT="$WORK" SWEEP="${SWEEP:-1}" python3 scripts/gpu_formats.py
 if [ "${SKIP_PREFILL:-0}" != 1 ]; then
   step generate python3 -m moetier bench synthetic "$SHAPE" --layers "$LAYERS" --seed 0
   S=(--synthetic "$SHAPE" --layers "$LAYERS" --expert-budget 100% --input-len "$PROMPT"
