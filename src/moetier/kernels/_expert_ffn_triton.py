@@ -239,10 +239,11 @@ LEGACY = FfnConfig()
 # moved gate/up from 1.1-1.5 to 3.6-4.2 TB/s and down from 1.0 to 3.4-3.6 TB/s.
 SMALL = FfnConfig(8, 256, 8, 1, True, 8, 256, 4, 1)  # up to 64 pairs (decode, batch <= 8)
 LARGE = FfnConfig(8, 128, 4, 1, True, 16, 128, 4, 1)
-# Compressed slots (FP8, GGUF) at up to 64 pairs, from scripts/gpu_formats.py's sweep on the
-# H100 (bench/results/2026-12-06-formats-h100.md): 4-row tiles and 2 warps beat SMALL by
-# 8-34% at T = 1 (Q4_K_M 51.7 -> 37.1 us, Q8_0 61.9 -> 41.1, FP8 30.6 -> 28.2).
-SMALL_COMPRESSED = FfnConfig(4, 256, 2, 1, True, 4, 256, 2, 1)
+# Compressed slots (FP8, GGUF) at up to 64 pairs, from scripts/gpu_formats.py's sweeps on the
+# H100 (bench/results/2026-12-06-formats-h100.md): 4-row tiles, one warp and two pipeline
+# stages (the next chunk's loads in flight while one decodes) at T = 1: Q4_K 48.5 -> 27.1 us,
+# Q4_K_M 51.7 -> 31.1, Q8_0 61.9 -> 38.6, Q6_K 54.8 -> 39.8, FP8 30.6 -> 27.4 against SMALL.
+SMALL_COMPRESSED = FfnConfig(4, 256, 1, 2, True, 4, 256, 1, 2)
 
 
 def choose_config(t: int, k: int, d: int, inter: int, compressed: bool = False) -> FfnConfig:
