@@ -35,6 +35,7 @@ class Column:
     function: str
     suffix: str | None = None  # the parametrization id after the family ("None", "50%", ...)
     kernel: bool = False  # a MoE kernel path: a gelu family passes on the loop fallback
+    graphs: bool = False  # a CUDA-graph path: a family without graphs passes eagerly
 
 
 CPU_COLUMNS = (
@@ -83,6 +84,7 @@ GPU_COLUMNS = (
         "tests.gpu.test_gpu_graphs",
         "test_graph_decode_parity_with_transformers",
         kernel=True,
+        graphs=True,
     ),
 )
 
@@ -118,7 +120,8 @@ def read_junit(path: Path) -> tuple[list[Case], str]:
     return cases, stamp
 
 
-def cell(cases: list[Case], column: Column, family: str, loop_only: bool) -> str:
+def cell(cases: list[Case], column: Column, family: str, facts: tuple[str, bool, bool]) -> str:
+    _, loop_only, no_graphs = facts
     mine = [
         c
         for c in cases
@@ -140,35 +143,45 @@ def cell(cases: list[Case], column: Column, family: str, loop_only: bool) -> str
         if passed == len(mine)
         else f"pass {passed}/{len(mine)} ({len(mine) - passed} skipped)"
     )
+    if column.graphs and no_graphs:
+        return f"{text} (graphs off: eager)"
     return f"{text} (loop fallback)" if column.kernel and loop_only else text
 
 
-def family_facts() -> dict[str, tuple[str, bool]]:
-    """Family key -> (HF model_type, whether only the per-expert loop computes its experts)."""
+def family_facts() -> dict[str, tuple[str, bool, bool]]:
+    """Family key -> (HF model_type, whether only the per-expert loop computes its experts,
+    whether the engine keeps CUDA graphs off for it: recurrent-state layers or
+    `Family.no_graphs`)."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from tests.models.families import FAMILIES
     from transformers import AutoConfig
 
+    from moetier.models.registry import FAMILIES as ENGINE_FAMILIES
+    from moetier.models.registry import supported_architectures
+
+    supported_architectures()  # loads the family modules
+    graphless = {f.name for f in ENGINE_FAMILIES.values() if f.no_graphs is not None}
     facts = {}
     for key, fam in FAMILIES.items():
         cfg = AutoConfig.for_model(fam.model_type, **{**fam.tiny, **fam.main})
         act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-        facts[key] = (fam.model_type, act != "silu")
+        recurrent = "linear_attention" in (getattr(cfg, "layer_types", None) or [])
+        no_graphs = recurrent or key in graphless  # the recipes are keyed by family name
+        facts[key] = (fam.model_type, act != "silu", no_graphs)
     return facts
 
 
 def table(
-    cases: list[Case], columns: tuple[Column, ...], facts: dict[str, tuple[str, bool]]
+    cases: list[Case], columns: tuple[Column, ...], facts: dict[str, tuple[str, bool, bool]]
 ) -> str:
     head = "| family | " + " | ".join(c.label for c in columns) + " |"
     rule = "|" + "---|" * (len(columns) + 1)
     rows = [
-        f"| {key} (`{mtype}`) | "
-        + " | ".join(cell(cases, c, key, loop_only) for c in columns)
-        + " |"
-        for key, (mtype, loop_only) in sorted(facts.items())
+        f"| {key} (`{mtype}`) | " + " | ".join(cell(cases, c, key, fact) for c in columns) + " |"
+        for key, fact in sorted(facts.items())
+        for mtype in [fact[0]]
     ]
     return "\n".join([head, rule, *rows])
 
@@ -212,6 +225,8 @@ def render(
         "`(loop fallback)`: the MoE kernels compute silu-gated experts only (gpt-oss's and",
         "DeepSeek-V4's clamped SwiGLUs included), so this family's experts ran on the",
         "per-expert loop (and its decode eagerly, not as CUDA graphs) with that switch on.",
+        "`(graphs off: eager)`: the engine keeps CUDA graphs off for this family (recurrent-",
+        "state layers, or attention sized on the host), so its graph case ran eagerly.",
         "`server (concurrent, preempted)`: one `moetier serve` per family at a 50% expert budget",
         "(tests/server/test_family_parity_served.py); concurrent greedy completions of mixed",
         "prompt lengths, on a KV pool too small for them all (the server must report preemptions)",
