@@ -27,6 +27,7 @@ from moetier.weights.formats import (
     get_codec,
 )
 from moetier.weights.gguf_quants import random_blocks
+from moetier.weights.mxfp4 import random_encoded
 
 D, I, K, S = 2048, 768, 8, 64
 R = 20
@@ -37,6 +38,7 @@ FORMATS = {
     "gguf-q4_k_m": ("gguf-q4_k", "gguf-q4_k", "gguf-q6_k"),
     "gguf-q4_k": ("gguf-q4_k",) * 3,
     "gguf-q6_k": ("gguf-q6_k",) * 3,
+    "mxfp4": ("mxfp4",) * 3,
 }
 
 
@@ -77,6 +79,8 @@ def pool_of(name: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
                 w = torch.randn(rows, cols, generator=gen) * 64
                 scale = torch.full(c.scale_shape(rows, cols), 1 / (64 * cols**0.5))
                 part.copy_(c.encode(w.clamp(-440, 440).to(torch.float8_e4m3fn), scale))
+            elif c.name == "mxfp4":  # random nibbles, per-block scales around the RMS
+                part.copy_(random_encoded(rows, cols, 2.0 / cols**0.5, gen))
             else:
                 part.copy_(random_blocks(c, rows, cols, 2.0 / cols**0.5, gen).reshape(-1))
     layouts = slot_layout(packing)

@@ -1,5 +1,5 @@
 """The expert kernels on compressed slots on CUDA (FP8 block-scaled, GGUF Q8_0 / Q4_K_M / Q5_K /
-Q6_K) equal the reference on the decoded slots, bf16, decode- and prefill-sized calls, at the
+Q6_K, MXFP4) equal the reference on the decoded slots, bf16, decode- and prefill-sized calls, at the
 Qwen3-30B-A3B expert shape (the block formats' real row lengths). Run on the GPU machine with
 `python3 -m pytest -m gpu tests/gpu`."""
 
@@ -20,6 +20,7 @@ from moetier.weights.formats import (
     get_codec,
 )
 from moetier.weights.gguf_quants import random_blocks
+from moetier.weights.mxfp4 import random_encoded
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,6 +33,7 @@ FORMATS = {
     "q8_0": ("gguf-q8_0",) * 3,
     "q4_k_m": ("gguf-q4_k", "gguf-q4_k", "gguf-q6_k"),
     "q5_k": ("gguf-q5_k",) * 3,
+    "mxfp4": ("mxfp4",) * 3,
 }
 
 
@@ -48,6 +50,8 @@ def _pool(spec: tuple) -> tuple[torch.Tensor, torch.Tensor, object]:
                 w = (torch.randn(rows, cols, generator=g) * 64).clamp(-440, 440)
                 scale = torch.full(c.scale_shape(rows, cols), 1 / (64 * cols**0.5))
                 part.copy_(c.encode(w.to(torch.float8_e4m3fn), scale))
+            elif c.name == "mxfp4":
+                part.copy_(random_encoded(rows, cols, 2.0 / cols**0.5, g))
             else:
                 part.copy_(random_blocks(c, rows, cols, 2.0 / cols**0.5, g).reshape(-1))
     layouts = slot_layout(packing)

@@ -119,12 +119,10 @@ def top_k(cfg: dict[str, Any]) -> int:
 
 def moe_kernels_apply(path: Path) -> bool:
     """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: silu-gated
-    ones (gpt-oss's and DeepSeek-V4's clamped SwiGLUs too: their configs say silu); another
-    activation (Gemma 4's gelu_pytorch_tanh) always takes the loop, and so do experts in a
-    format no kernel decodes (gpt-oss's MXFP4)."""
+    ones (gpt-oss's and DeepSeek-V4's clamped SwiGLUs too: their configs say silu), in any
+    stored format (gpt-oss's MXFP4 included); another activation (Gemma 4's
+    gelu_pytorch_tanh) always takes the loop."""
     cfg = text_config(path)
-    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":
-        return False
     return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
 
 

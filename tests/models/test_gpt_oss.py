@@ -3,9 +3,10 @@
 experts quantized into blocks + E8M0 scales, read as stored), at expert budgets 100%, 50% and
 the minimum, with prompts longer than the sliding window. The MXFP4 reference is transformers
 itself loading the MXFP4 directory with Mxfp4Config(dequantize=True) (its CPU path, offline).
-The recipe is checked to exercise the window, the sinks and the expert biases. The unquantized
-experts also run on the expert kernels (a recipe whose limit clamps a good share of the
-entries; the kernels' math bit-equal to the loop in bfloat16); MXFP4 ones stay on the loop."""
+The recipe is checked to exercise the window, the sinks and the expert biases. The experts also
+run on the expert kernels, unquantized (a recipe whose limit clamps a good share of the
+entries; the kernels' math bit-equal to the loop in bfloat16) and MXFP4 (decoded in the
+kernels' registers: the Triton kernels themselves in Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from tests.models.parity import (
     hf_last_logits,
     moetier_greedy,
 )
-from tests.unit.test_expert_ffn import loop_output, selection_case
+from tests.unit.test_expert_ffn import _run_in_interpreter, loop_output, selection_case
 
 # The cross-family recipe (tests/models/families.py): every layer MoE, 8 experts top-4 (as
 # the released models), GQA 4/2 with head_dim 16, layers sliding (window 4 < every prompt + 32
@@ -89,8 +90,8 @@ def clamped(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # the slot kernel for every step, or the grouped one (both their references on the CPU)
 KERNELS: dict[str, dict[str, Any]] = {
-    "slot": dict(moe_slot_kernel_max_pairs=1 << 20),
-    "grouped": dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0),
+    "slot": dict(moe_slot_kernel_max_pairs=1 << 20, moe_mxfp4_kernel=True),
+    "grouped": dict(moe_grouped_kernel=True, moe_slot_kernel_max_pairs=0, moe_mxfp4_kernel=True),
 }
 
 
@@ -151,16 +152,23 @@ def expert_bytes(path: Path) -> int:
 
 
 def check(
-    path: Path, budget: str, dtype: torch.dtype = torch.float32, tol: float = 1e-4, **kwargs: Any
+    path: Path,
+    budget: str,
+    dtype: torch.dtype = torch.float32,
+    tol: float = 1e-4,
+    prompts: int = len(PROMPTS),
+    **kwargs: Any,
 ) -> LLM:
+    """moetier's greedy tokens equal transformers' and the prompts' logits agree, for the
+    first `prompts` of PROMPTS."""
     tokens, logits = ref_outputs(path, dtype)
     name = str(dtype).removeprefix("torch.")
     llm = LLM(str(path), expert_budget=budget, device="cpu", dtype=name, progress=False, **kwargs)
-    got = moetier_greedy(llm, PROMPTS)
-    assert all(len(g) == NEW_TOKENS for g in got)
+    got = moetier_greedy(llm, PROMPTS[:prompts])
+    assert len(got) == prompts and all(len(g) == NEW_TOKENS for g in got)
     for prompt, mine, want in zip(PROMPTS, got, tokens):
         assert mine == want, f"token mismatch for prompt {prompt}"
-    for prompt, want_logits in zip(PROMPTS, logits):
+    for prompt, want_logits in zip(PROMPTS[:prompts], logits):
         torch.testing.assert_close(llm.prompt_logits(prompt), want_logits, rtol=tol, atol=tol)
     llm.engine.runner.expert_cache.check_integrity()
     return llm
@@ -225,12 +233,53 @@ def test_device_cache_parity(clamped: Path) -> None:
     assert stats["moe_calls_host_decode"] == 0
 
 
-def test_mxfp4_experts_stay_on_the_loop(mxfp4: Path) -> None:
-    # no kernel decodes MXFP4: the runner turns the switches off, whatever was asked
-    llm = check(mxfp4, "50%", moe_grouped_kernel=True, moe_slot_kernel_max_pairs=1 << 20)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_mxfp4_experts_on_the_kernels(mxfp4: Path, kernel: str) -> None:
+    # the kernels read MXFP4 slots (their references on the CPU: the slots decoded)
+    llm = check(mxfp4, "100%", **KERNELS[kernel])
     blocks = llm.engine.runner.model.moe_blocks()
-    assert all(b.slot_kernel_max_pairs == 0 and not b.grouped_kernel for b in blocks)
-    assert llm.offload_stats()["resident_lookups"] == 0
+    assert all(b.slot_layout is not None and b.slot_layout.compressed for b in blocks)
+    assert all(b.slot_kernel_max_pairs > 0 or b.grouped_kernel for b in blocks)
+    stats = llm.offload_stats()
+    assert stats["resident_lookups"] > 0 and stats["requests"] == 0
+
+
+def test_mxfp4_experts_take_the_loop_by_default(mxfp4: Path) -> None:
+    # moe_mxfp4_kernel off (the default until the kernels have run on a GPU): the loop decodes
+    llm = check(mxfp4, "100%", moe_slot_kernel_max_pairs=1 << 20, prompts=1)
+    blocks = llm.engine.runner.model.moe_blocks()
+    assert all(b.slot_layout is None and b.slot_kernel_max_pairs == 0 for b in blocks)
+
+
+_MXFP4_IN_INTERPRETER = """
+from pathlib import Path
+import moetier.kernels._expert_ffn_triton as slot
+import moetier.kernels._grouped_ffn_triton as grouped
+from tests.models.test_gpt_oss import KERNELS, check
+kernel = {kernel!r}
+if kernel == "slot":
+    # 32-row tiles over 64-column chunks: the interpreter runs a program at a time, and the
+    # default decode shape (4 rows, 256 columns) took over 5 minutes for two prompts; the
+    # unit test (tests/unit/test_mxfp4_kernels.py) covers that shape
+    slot.choose_config = lambda *args: slot.FfnConfig(32, 64, 4, 1, True, 32, 64, 4, 1)
+mod, name = (slot, "expert_ffn_triton") if kernel == "slot" else (grouped, "grouped_ffn_triton")
+calls = []
+real = getattr(mod, name)
+def counting(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+setattr(mod, name, counting)
+check(Path({path!r}), "100%", prompts=1 if kernel == "slot" else 2, **KERNELS[kernel])
+assert calls
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_mxfp4_experts_on_the_triton_kernels_in_interpreter(mxfp4: Path, kernel: str) -> None:
+    # the Triton kernels themselves decode the MXFP4 slots (every step on the slot kernel, or
+    # on the grouped one): transformers' tokens from its own dequantization of the checkpoint
+    _run_in_interpreter(_MXFP4_IN_INTERPRETER.format(path=str(mxfp4), kernel=kernel))
 
 
 def test_kernel_math_equals_the_loop_bitwise_bf16() -> None:

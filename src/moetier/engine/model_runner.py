@@ -23,7 +23,7 @@ from moetier.engine.state_cache import RecurrentStateCache, build_state_cache, s
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels.expert_ffn import triton_available
 from moetier.kernels.grouped_ffn import SLOT_KERNEL_MAX_PAIRS
-from moetier.kernels.slot_layout import slot_layout
+from moetier.kernels.slot_layout import MXFP4, slot_layout
 from moetier.layers.context import ForwardContext, SeqSpan
 from moetier.layers.moe import moe_config
 from moetier.layers.norm import RMSNorm
@@ -207,6 +207,11 @@ class ModelRunner:
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
         kernel_layout = slot_layout(self.expert_cache.packing)
+        mxfp4 = kernel_layout is not None and any(
+            MXFP4 in (v.gate_up_format, v.down_format) for v in kernel_layout.values()
+        )
+        if mxfp4 and not config.moe_mxfp4_kernel:
+            kernel_layout = None  # not yet compiled on a GPU: the loop (moe_mxfp4_kernel)
         if kernel_layout is None:
             # No kernel reads this format: each expert is decoded where the per-expert loop
             # computes it.

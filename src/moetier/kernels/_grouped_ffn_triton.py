@@ -24,6 +24,7 @@ from moetier.kernels._slot_tiles_triton import weight_tile_kn
 from moetier.kernels.expert_ffn import PLAIN, ExpertMath, sum_dtype
 from moetier.kernels.grouped_ffn import align
 from moetier.kernels.slot_layout import (
+    MXFP4,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -319,8 +320,9 @@ def choose_config(pairs: int, max_experts: int) -> GroupedConfig:
 
 def _tile(bk: int, fmt: int, layout: SlotLayout) -> int:
     """BLOCK_K of one GEMM for its weights' format (`weight_tile_kn`): a GGUF sub-block of 32
-    columns, an FP8 chunk inside one scale block (a power-of-two block), else `bk`."""
-    if fmt in (Q8_0, Q4_K, Q5_K, Q6_K):
+    columns (MXFP4's block too), an FP8 chunk inside one scale block (a power-of-two block),
+    else `bk`."""
+    if fmt in (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4):
         return 32
     return chunk_cols(bk, fmt, layout)
 

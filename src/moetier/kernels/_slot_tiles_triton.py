@@ -1,6 +1,7 @@
 """The expert kernels' one way to read a weight tile from a slot in place (kernels/slot_layout.py):
-dense in the model dtype, FP8 e4m3 times its block's float32 scale, or a GGUF block type (Q8_0,
-Q4_K, Q5_K, Q6_K) decoded as `gguf.quants.dequantize` does, operation for operation in float32.
+dense in the model dtype, FP8 e4m3 times its block's float32 scale, a GGUF block type (Q8_0,
+Q4_K, Q5_K, Q6_K) decoded as `gguf.quants.dequantize` does, or MXFP4 decoded as
+weights/mxfp4.py does (E2M1 value x 2^(scale - 127)), operation for operation in float32.
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ def _k_scale_min(base, blk, sub):
 
 
 @triton.jit
+def _fp4(n):
+    """E2M1 nibbles n (int32, 0..15) as float32: weights/mxfp4.py's FP4_VALUES without a
+    table. Magnitude in halves: m for exponent 0 (0, 1), else (2 + m) << (e - 1) (2..12)."""
+    e = (n >> 1) & 0x03
+    m = n & 0x01
+    halves = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+    mag = halves.to(tl.float32) * 0.5
+    return tl.where(n >= 8, -mag, mag)  # -0.0 for nibble 8, as the table
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 scale bytes s (int32) as float32 2^(s - 127), built from its bits (exact, as the
+    reference's ldexp: 0 is 2^-127, a subnormal; 255 is 2^128, inf)."""
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def weight_tile(base, rows, cols, mask, COLS, S_OFF, BR, BC, FMT: tl.constexpr):
     """Elements (rows, cols) (broadcasting index tensors) of the [*, COLS] matrix starting at
     `base` (a pool-element pointer), masked (masked-off elements may read anything in the slot
@@ -56,6 +75,9 @@ def weight_tile(base, rows, cols, mask, COLS, S_OFF, BR, BC, FMT: tl.constexpr):
             blk = (r * (COLS // 32) + c // 32) * 34
             q = tl.load((base + blk + 2 + c % 32).to(tl.pointer_type(tl.int8))).to(tl.float32)
             return q * _f16_at(base, blk)
+        elif FMT == 6:  # MXFP4: byte c // 2 of the row (even column low), scale per 32
+            q = (_byte(base, r * (COLS // 2) + c // 2) >> (4 * (c % 2))) & 0x0F
+            return _fp4(q) * _e8m0(_byte(base, S_OFF + r * (COLS // 32) + c // 32))
         else:
             i = c % 256
             if FMT == 5:  # Q6_K: ql[128] qh[64] scales int8[16] d fp16 (210 bytes)
@@ -125,13 +147,36 @@ def _dot_q8_0(base, r, x_row, k0, COLS, dt: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
+    """MXFP4: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each
+    block's 16 bytes and one scale per (row, block); low nibbles against x's even columns,
+    high nibbles against the odd ones (no interleave of the decoded tiles)."""
+    kb = tl.arange(0, BK // 32)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    col = k0 + 32 * kb + 2 * j  # [1, NB, 16] the even columns
+    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, NB, 1]
+    cmask = col < COLS
+    rb = r[:, None, None]
+    q = tl.load(base + rb * (COLS // 2) + k0 // 2 + 16 * kb + j, mask=cmask, other=0)
+    q = q.to(tl.int32)  # [BN, NB, 16]
+    s = tl.load(base + S_OFF + rb * (COLS // 32) + k0 // 32 + kb, mask=kbm, other=127)
+    scale = _e8m0(s.to(tl.int32))  # [BN, NB, 1]
+    w_even = (_fp4(q & 0x0F) * scale).to(dt).to(tl.float32)
+    w_odd = (_fp4(q >> 4) * scale).to(dt).to(tl.float32)
+    x_even = tl.load(x_row + col, mask=cmask, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_row + col + 1, mask=cmask, other=0.0).to(tl.float32)
+    part = w_even * x_even + w_odd * x_odd
+    return tl.sum(tl.sum(part, axis=2), axis=1)
+
+
+@triton.jit
 def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
               dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """[BN] float32: each row of the [*, COLS] matrix at `base` (rows [BN], rmask) dotted with
     x_row[k0 : k0 + BK], the weights decoded as `weight_tile` does and rounded to `dt` first.
     Compressed formats load their block fields once per (row, block), not per element: GGUF
-    K-quants need BK = 256 (one super-block per row), Q8_0 a multiple of 32 and FP8 a BK
-    that divides BC (one scale per row); other FP8 blocks take `weight_tile`."""
+    K-quants need BK = 256 (one super-block per row), Q8_0 and MXFP4 a multiple of 32 and FP8
+    a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         cmask = cols < COLS
@@ -155,6 +200,8 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         r = tl.where(rmask, rows, 0).to(tl.int64)
         if FMT == 2:
             return _dot_q8_0(base, r, x_row, k0, COLS, dt, BK)
+        elif FMT == 6:
+            return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK)
         elif FMT == 5:
             return _dot_q6k(base, r, x_row, k0, COLS, dt)
         else:
@@ -215,7 +262,8 @@ def weight_tile_kn(base, rows, rmask, k0, COLS, S_OFF, BR, BC: tl.constexpr,
     """[BK, BN] in dt: the weights of rows [BN] (rmask) at columns k0 .. k0 + BK of the
     [*, COLS] matrix at `base`, decoded as `weight_tile` does, for a tensor-core dot. Block
     fields load once per (row, block): FP8 with a BK that divides BC takes one scale per row;
-    GGUF takes one 32-column sub-block (BK = 32) with its scale (two for Q6_K) per row."""
+    GGUF and MXFP4 take one 32-column sub-block (BK = 32) with its scale (two for Q6_K) per
+    row."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         m2 = (cols < COLS)[:, None] & rmask[None, :]
@@ -230,9 +278,14 @@ def weight_tile_kn(base, rows, rmask, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         s_idx = (rows // BR).to(tl.int64) * scale_cols + k0 // BC  # [BN]
         s = tl.load((base + S_OFF).to(tl.pointer_type(tl.float32)) + s_idx, mask=rmask, other=0.0)
         return (v.to(tl.float32) * s[None, :]).to(dt)
-    else:  # GGUF: the rows always span whole blocks, so k0 < COLS needs no column mask
+    else:  # GGUF, MXFP4: the rows span whole blocks, so k0 < COLS needs no column mask
         r = tl.where(rmask, rows, 0).to(tl.int64)
         lane = tl.arange(0, 32)[:, None]  # [32, 1]
+        if FMT == 6:  # MXFP4: lane's byte lane // 2 of the block, its nibble by parity
+            byte = _byte(base, (r * (COLS // 2) + k0 // 2)[None, :] + lane // 2)  # [32, BN]
+            q = (byte >> (4 * (lane % 2))) & 0x0F
+            s = _byte(base, S_OFF + r * (COLS // 32) + k0 // 32)[None, :]  # [1, BN]
+            return (_fp4(q) * _e8m0(s)).to(dt)
         if FMT == 2:  # Q8_0
             blk = ((r * (COLS // 32) + k0 // 32) * 34)[None, :]  # [1, BN]
             q = tl.load((base + blk + 2 + lane).to(tl.pointer_type(tl.int8))).to(tl.float32)

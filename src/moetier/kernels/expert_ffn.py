@@ -24,8 +24,9 @@ float32 and rounded once (ascending expert order; the loop's top-k order differs
 float32 rounding).
 
 Slot layout (kernels/slot_layout.py): one packed row per slot, [gate rows (I x D) | up rows
-(I x D) | down (D x I)] in the model dtype, or the same three matrices in FP8 with block scales,
-dequantized in registers and rounded to the model dtype (as the reference dequantizes them).
+(I x D) | down (D x I)] in the model dtype, or the same three matrices in a block format (FP8,
+GGUF, MXFP4), dequantized in registers and rounded to the model dtype (as the reference
+dequantizes them).
 """
 
 from __future__ import annotations

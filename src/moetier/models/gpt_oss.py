@@ -9,8 +9,8 @@ checkpoints, `quantization_config.quant_method: mxfp4`) as `*_blocks` + `*_scale
 stored and decoded per expert where computed (weights/experts.py, weights/mxfp4.py). Their
 biases (`gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, D]) are small and stay resident in
 the MoE block, where the expert kernels read them by expert id. The kernels compute the
-bfloat16/float32 experts (kernels/expert_ffn.py GPT_OSS_SWIGLU, with the biases); MXFP4 has no
-kernel decode, so those experts take the per-expert loop (kernels/slot_layout.py).
+experts (kernels/expert_ffn.py GPT_OSS_SWIGLU, with the biases), bfloat16/float32 or MXFP4
+decoded in registers (kernels/slot_layout.py: gate and up de-interleaved into two matrices).
 """
 
 from __future__ import annotations

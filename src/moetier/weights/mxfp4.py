@@ -11,6 +11,8 @@ equals. Encoded (one matrix): the block bytes row-major, then the scale bytes ro
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moetier.weights.formats import register_codec
@@ -91,3 +93,15 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
     scales = (exp + 127).to(torch.uint8)
     return blocks.contiguous(), scales.contiguous()
+
+
+def random_encoded(rows: int, cols: int, rms: float, generator: torch.Generator) -> torch.Tensor:
+    """The encoded bytes of a random valid [rows, cols] matrix: random nibbles (any byte is two
+    valid E2M1 values) and per-block scales spread over four exponents around the one that puts
+    the values' RMS near `rms` (random nibbles have an RMS of 2.93 units). For tests and
+    benchmarks of the kernels' decode: no float matrix is quantized."""
+    g = Mxfp4Codec._groups(cols)
+    blocks = torch.randint(0, 256, (rows, g, 16), dtype=torch.uint8, generator=generator)
+    base = 127 + round(math.log2(rms / 2.93))
+    exps = base + torch.randint(-2, 2, (rows, g), generator=generator)
+    return MXFP4.encode(blocks, exps.clamp(0, 254).to(torch.uint8))
