@@ -31,10 +31,6 @@ TAG=gpu_device_cache
 source scripts/gpu_steps.sh
 source scripts/gpu_wheels.sh
 
-# swap FILES... with BEFORE's copies (saved aside), or back
-swap_in() { (cd "$BEFORE" && find . -type f) | while read -r f; do
-  cp "$f" "$f.after" 2>/dev/null; cp "$BEFORE/$f" "$f"; done; }
-swap_out() { (cd "$BEFORE" && find . -type f) | while read -r f; do mv "$f.after" "$f"; done; }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 if [ "${SKIP_FILL:-0}" != 1 ]; then  # the fill kernel against the copy engine (~30 s)

@@ -26,9 +26,6 @@ TAG=gpu_kernels
 source scripts/gpu_steps.sh
 source scripts/gpu_wheels.sh
 
-swap_in() { (cd "$BEFORE" && find . -type f) | while read -r f; do
-  cp "$f" "$f.after" 2>/dev/null; cp "$BEFORE/$f" "$f"; done; }
-swap_out() { (cd "$BEFORE" && find . -type f) | while read -r f; do mv "$f.after" "$f"; done; }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 [ -n "${PROBE:-}" ] && step probe python3 scripts/gpu_family_probe.py $PROBE

@@ -56,3 +56,9 @@ summarize() {
   tar czf "$OUT/$(basename "$WORK")-results.tar.gz" -C "$OUT" "$(basename "$WORK")" && rm -rf "$WORK"
   log "done"
 }
+
+# swap_in / swap_out: the files of the tree BEFORE (mirroring the repo's) swapped in for an A/B
+# in one call, then back (each original kept aside as FILE.after meanwhile).
+swap_in() { (cd "$BEFORE" && find . -type f) | while read -r f; do
+  cp "$f" "$f.after" 2>/dev/null; cp "$BEFORE/$f" "$f"; done; }
+swap_out() { (cd "$BEFORE" && find . -type f) | while read -r f; do mv "$f.after" "$f"; done; }
