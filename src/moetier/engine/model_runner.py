@@ -329,11 +329,13 @@ class ModelRunner:
         and routing observers get the step's logged calls."""
         cached = self.expert_cache.device_cache
         if cached is not None:
-            blocks = {b.layer: b for b in self.model.moe_blocks()}
-            for layer, ids, k in cached.take_routes():
-                observer = blocks[layer].route_observer
-                if observer is not None:
-                    observer(layer, ids, k)
+            routes = cached.take_routes()  # empty unless an observer is attached
+            if routes:
+                blocks = {b.layer: b for b in self.model.moe_blocks()}
+                for layer, ids, k in routes:
+                    observer = blocks[layer].route_observer
+                    if observer is not None:
+                        observer(layer, ids, k)
             cached.drain(self.stats)
 
     def _build_prefetcher(self, config: EngineConfig) -> Prefetcher | None:
