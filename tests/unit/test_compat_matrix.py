@@ -45,16 +45,21 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     cases, stamp = cm.read_junit(tmp_path / "cpu.xml")
     assert stamp == "2026-12-04T20:00:00" and len(cases) == 9
     full, half, low, _, _, _, slot, _, gguf, served = cm.CPU_COLUMNS
-    assert cm.cell(cases, full, "gemma4", True) == "pass"
-    assert cm.cell(cases, half, "gemma4", True) == "**FAIL** 1/1"
-    assert cm.cell(cases, low, "gemma4", True) == "not run"
-    assert cm.cell(cases, slot, "gemma4", True) == "pass (loop fallback)"
-    assert cm.cell(cases, slot, "mixtral", False) == "skipped"
-    assert cm.cell(cases, gguf, "qwen3_moe", False) == "pass"  # every format and budget
-    assert cm.cell(cases, gguf, "mixtral", False) == "**FAIL** 1/2"
-    assert cm.cell(cases, served, "qwen3_5_moe", False) == "pass"
-    assert cm.cell(cases, served, "gpt_oss", False) == "**FAIL** 1/1"
-    assert cm.cell(cases, served, "mixtral", False) == "not run"
+    assert cm.cell(cases, full, "gemma4", ("", True, False)) == "pass"
+    assert cm.cell(cases, half, "gemma4", ("", True, False)) == "**FAIL** 1/1"
+    assert cm.cell(cases, low, "gemma4", ("", True, False)) == "not run"
+    assert cm.cell(cases, slot, "gemma4", ("", True, False)) == "pass (loop fallback)"
+    assert cm.cell(cases, slot, "mixtral", ("", False, False)) == "skipped"
+    # every format and budget
+    assert cm.cell(cases, gguf, "qwen3_moe", ("", False, False)) == "pass"
+    assert cm.cell(cases, gguf, "mixtral", ("", False, False)) == "**FAIL** 1/2"
+    assert cm.cell(cases, served, "qwen3_5_moe", ("", False, False)) == "pass"
+    assert cm.cell(cases, served, "gpt_oss", ("", False, False)) == "**FAIL** 1/1"
+    assert cm.cell(cases, served, "mixtral", ("", False, False)) == "not run"
+    graphs = next(c for c in cm.GPU_COLUMNS if c.graphs)
+    gpu = [cm.Case(graphs.module, graphs.function, "deepseek_v4", "", "pass")]
+    assert cm.cell(gpu, graphs, "deepseek_v4", ("", False, True)) == "pass (graphs off: eager)"
+    assert cm.cell(gpu, graphs, "deepseek_v4", ("", False, False)) == "pass"
 
 
 def test_cpu_suite_runs_every_column_module() -> None:
