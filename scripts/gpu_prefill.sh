@@ -26,7 +26,8 @@ source scripts/gpu_steps.sh
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+  step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+    --junitxml="$OUT/gpu-junit.xml" ${GPU_TESTS:-tests/gpu}
   cp "$WORK/gpu-tests.log" "$OUT/gpu_tests.log" 2>/dev/null
 fi
 if [ "${SKIP_SWEEP:-0}" != 1 ]; then

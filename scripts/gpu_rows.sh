@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call for per-shape rows and the agent workload, from the repo root on the GPU
+# machine, in order (each step logs and the script goes on when one fails; no step starts
+# within 30 s of DEADLINE seconds):
+#   1. AGENT=1: `bench serve --workload agent` on AGENT_SHAPE (qwen3-30b-a3b) at AGENT_LAYERS
+#      (12) layers, 25 % expert budget, one conversation of AGENT_TURNS (6) turns, each adding a
+#      TOOL_LEN (2,048)-token tool result; TTFT per turn against a fresh request holding only
+#      the turn's new tokens, with --compare-prefix-off unless AGENT_OFF=0;
+#   2. ROWS: `bench latency` rows, one per entry "shape[:layers[:k=v,k=v]]" (layers empty: the
+#      shape's real depth; the settings go to --set), at ROW_BUDGETS (100%,25%), batch 1,
+#      64-token prompt, 32 new tokens, uniform routing (trace routing with TRACE for shapes of
+#      128 experts top-8); a shape's checkpoint is deleted after its last consecutive row.
+# Results under $OUT: summary.md, rows-results.tar.gz, gpu_rows.log.
+set -uo pipefail
+START=$SECONDS
+OUT=${OUT:-gpu-results}
+WORK="$OUT/rows"
+mkdir -p "$WORK"
+DEADLINE=${DEADLINE:-560}
+ROW_BUDGETS=${ROW_BUDGETS:-100%,25%}
+TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
+LOG="$OUT/gpu_rows.log"
+TAG=gpu_rows
+source scripts/gpu_steps.sh
+source scripts/gpu_wheels.sh
+
+log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+
+if [ "${AGENT:-0}" = 1 ]; then
+  L=${AGENT_LAYERS:-12}
+  A=${AGENT_SHAPE:-qwen3-30b-a3b}
+  if step agent-generate python3 -m moetier bench synthetic "$A" --layers "$L" --seed 0; then
+    Q3=$(ls -d "$MOETIER_HOME"/synthetic/"$A"-L"$L"-s0 | head -n 1)
+    off=(--compare-prefix-off)
+    [ "${AGENT_OFF:-1}" = 0 ] && off=()
+    step agent python3 -m moetier bench serve --model "$Q3" --expert-budget 25% \
+      --dtype bfloat16 --workload agent --dataset random --turns "${AGENT_TURNS:-6}" \
+      --tool-result-len "${TOOL_LEN:-2048}" --input-len 128 --output-len 16 --num-prompts 1 \
+      --seed 0 --server-timeout 240 --serve-args "--max-model-len ${AGENT_MAX_LEN:-16384}" "${off[@]}" \
+      --server-log "$WORK/agent-server.log" --save-result "$WORK/agent.json" --no-progress
+    grep -A12 "^| turn" "$WORK/agent.log" >"$WORK/agent.md" 2>/dev/null
+  fi
+fi
+
+rows=(${ROWS:-})
+for i in "${!rows[@]}"; do
+  IFS=: read -r shape layers sets <<<"${rows[$i]}"
+  layer_args=()
+  [ -n "$layers" ] && layer_args=(--layers "$layers")
+  routing=uniform
+  case $shape in qwen3-30b-a3b | qwen3-235b-a22b) routing="trace:$TRACE" ;; esac
+  tag="$shape${layers:+-L$layers}${sets:+-${sets//[=,]/-}}"
+  if step "$tag-generate" python3 -m moetier bench synthetic "$shape" "${layer_args[@]}" --seed 0; then
+    latency "$tag" --synthetic "$shape" "${layer_args[@]}" --expert-budget "$ROW_BUDGETS" \
+      --routing "$routing" ${sets:+--set "${sets//,/ }"}
+  fi
+  next=${rows[$((i + 1))]:-}
+  [ "${next%%:*}" = "$shape" ] || rm -rf "$MOETIER_HOME/synthetic/$shape-"*
+done
+
+summarize "$WORK/agent.log"
