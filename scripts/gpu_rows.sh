@@ -9,7 +9,8 @@
 #   2. ROWS: `bench latency` rows, one per entry "shape[:layers[:k=v,k=v]]" (layers empty: the
 #      shape's real depth; the settings go to --set), at ROW_BUDGETS (100%,25%), batch 1,
 #      64-token prompt, 32 new tokens, uniform routing (trace routing with TRACE for shapes of
-#      128 experts top-8); a shape's checkpoint is deleted after its last consecutive row.
+#      128 experts top-8), then ROW_ARGS (later flags win: --input-len 2048); a shape's
+#      checkpoint is deleted after its last consecutive row.
 # Results under $OUT: summary.md, rows-results.tar.gz, gpu_rows.log.
 set -uo pipefail
 START=$SECONDS
@@ -52,7 +53,7 @@ for i in "${!rows[@]}"; do
   tag="$shape${layers:+-L$layers}${sets:+-${sets//[=,]/-}}"
   if step "$tag-generate" python3 -m moetier bench synthetic "$shape" "${layer_args[@]}" --seed 0; then
     latency "$tag" --synthetic "$shape" "${layer_args[@]}" --expert-budget "$ROW_BUDGETS" \
-      --routing "$routing" ${sets:+--set "${sets//,/ }"}
+      --routing "$routing" ${sets:+--set "${sets//,/ }"} ${ROW_ARGS:-}
   fi
   next=${rows[$((i + 1))]:-}
   [ "${next%%:*}" = "$shape" ] || rm -rf "$MOETIER_HOME/synthetic/$shape-"*
