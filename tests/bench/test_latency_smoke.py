@@ -173,3 +173,44 @@ def test_latency_on_tiny_deepseek_v4(tmp_path: Path) -> None:
         ("model", "25%", 16),
     ]
     assert all(c["tokens_match_reference"] is True for c in res["configs"])
+
+
+def test_gpu_memory_run_reports_its_split(tmp_path: Path) -> None:
+    """--gpu-memory adds one run after the 100% reference whose expert slots and KV blocks the
+    split decided; its JSON and table say how (the split's bytes are the pools' bytes)."""
+    from moetier.bench.report import latency_table
+
+    out = tmp_path / "split.json"
+    rc = main(
+        ["bench", "latency", "--synthetic", "tiny-qwen3", "--gpu-memory", "1100MiB"]
+        + ["--kv-cache-dtype", "int8", "--set", "max_model_len=256 max_num_seqs=4"]
+        + ["--input-len", "16", "--output-len", "4", "--no-progress", "--save-result", str(out)]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    ref, split = res["configs"]
+    assert [ref["budget"], split["budget"]] == ["100%", "gpu-memory 1100MiB"]
+    assert ref["split_reason"] == "no_gpu_memory" and ref["gpu_memory_bytes"] == 0
+    assert split["gpu_memory_bytes"] == 1100 * 2**20
+    assert split["split_reason"] == "kv_request"
+    assert split["kv_cache_dtype"] == "int8"
+    assert split["split_kv_bytes"] == split["kv_cache_bytes"]
+    assert split["split_expert_bytes"] == split["device_slots"] * split["expert_bytes"]
+    assert split["split_expert_bytes"] + split["split_kv_bytes"] < split["gpu_memory_bytes"]
+    # the KV holds at least the request: 4 sequences of 256 tokens
+    assert split["split_kv_bytes"] >= 4 * 256 * split["kv_bytes_per_token"]
+    assert split["tokens_match_reference"] is True
+    table = latency_table(res)
+    assert "memory split, model gpu-memory 1100MiB: 1.07 GiB -> experts" in table
+    assert "memory split, model 100%" not in table
+
+
+def test_gpu_memory_refuses_other_expert_budgets() -> None:
+    from moetier.bench.cli import latency_budgets
+    from moetier.errors import ConfigError
+
+    assert latency_budgets(None, None) == ["100%", "25%", "10%"]
+    assert latency_budgets(None, "20GiB") == ["100%"]
+    assert latency_budgets("100%", "20GiB") == ["100%"]
+    with pytest.raises(ConfigError, match="leave --expert-budget out"):
+        latency_budgets("100%,25%", "20GiB")

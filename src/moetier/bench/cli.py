@@ -106,8 +106,16 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--expert-budget",
-        default="100%,25%,10%",
-        help="comma-separated budgets run in one process; 100%% always runs first as reference",
+        default=None,
+        help="comma-separated budgets run in one process; 100%% always runs first as reference "
+        "(default 100%%,25%%,10%%; with --gpu-memory only 100%%)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="after the 100%% reference, one run whose device budget (bytes like 20GiB or a "
+        "share like 90%%) is split between expert slots and KV blocks (README, 'One memory "
+        "budget'); --kv-cache-dtype and --set max_model_len=... max_num_seqs=... feed the split",
     )
     p.add_argument("--host-budget", default=None)
     p.add_argument("--batch-size", type=int, default=1)
@@ -250,6 +258,22 @@ def _with_kv_dtype(kwargs: dict[str, Any], kv_cache_dtype: str | None) -> dict[s
     return kwargs
 
 
+def latency_budgets(expert_budget: str | None, gpu_memory: str | None) -> list[str]:
+    """The --expert-budget list; with --gpu-memory the split decides the expert budget, so only
+    the 100% reference may be named."""
+    if expert_budget is None:
+        return ["100%"] if gpu_memory else ["100%", "25%", "10%"]
+    budgets = [b.strip() for b in expert_budget.split(",") if b.strip()]
+    from moetier.errors import ConfigError
+
+    if gpu_memory and any(b.lower() not in ("100%", "all", "full", "none") for b in budgets):
+        raise ConfigError(
+            f"--gpu-memory {gpu_memory} decides the expert budget from the memory split: "
+            f"leave --expert-budget out (it was {expert_budget!r}), or drop --gpu-memory"
+        )
+    return budgets
+
+
 def latency_settings(args: argparse.Namespace) -> Any:
     from moetier.bench.latency import LatencySettings
 
@@ -258,7 +282,8 @@ def latency_settings(args: argparse.Namespace) -> Any:
         synthetic=args.synthetic,
         layers=args.layers,
         synthetic_format=args.format,
-        budgets=[b for b in args.expert_budget.split(",") if b.strip()],
+        budgets=latency_budgets(args.expert_budget, args.gpu_memory),
+        gpu_memory=args.gpu_memory,
         host_budget=args.host_budget,
         batch_size=args.batch_size,
         input_len=args.input_len,

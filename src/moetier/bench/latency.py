@@ -40,6 +40,9 @@ class LatencySettings:
     layers: int | None = None
     synthetic_format: str = "bf16"  # the synthetic experts' storage (bench/synthetic.py)
     budgets: list[str] = field(default_factory=lambda: ["100%", "25%", "10%"])
+    # a run after the reference with this device budget split between experts and KV (the
+    # split decides the expert budget; its label is GPU_MEMORY_LABEL + the value)
+    gpu_memory: str | None = None
     host_budget: str | None = None
     batch_size: int = 1
     input_len: int = 64
@@ -58,6 +61,9 @@ class LatencySettings:
     save_trace: str | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+
+
+GPU_MEMORY_LABEL = "gpu-memory "
 
 
 def normalize_budget(b: str) -> str:
@@ -196,6 +202,8 @@ def run_latency(
     link = measure_link(device, link_bytes, path)
     link["link_bytes_per_miss"] = link_bytes
     budgets = ["100%"] + [b for b in map(normalize_budget, s.budgets) if b != "100%"]
+    if s.gpu_memory:
+        budgets.append(GPU_MEMORY_LABEL + s.gpu_memory)
     n = max(s.num_prompts, s.batch_size)
     prompts = make_prompts(n, s.input_len, geo["vocab"], s.seed)
     warm = make_prompts(s.batch_size, s.input_len, geo["vocab"], s.seed + 1_000_000)

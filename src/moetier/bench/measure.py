@@ -208,9 +208,15 @@ def run_budget(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     t_load = time.perf_counter()
+    from moetier.bench.latency import GPU_MEMORY_LABEL
+
+    split = budget.startswith(GPU_MEMORY_LABEL)  # the memory split decides the expert budget
+    if split:
+        extra: dict[str, Any] = {"gpu_memory": budget[len(GPU_MEMORY_LABEL) :]}
+    else:  # the 100% reference and explicit budgets keep the engine's own KV sizing
+        extra = {"expert_budget": None if budget == "100%" else budget}
     llm = LLM(
         str(path),
-        expert_budget=None if budget == "100%" else budget,
         host_budget=s.host_budget,
         device=s.device,
         dtype=s.dtype,
@@ -219,7 +225,7 @@ def run_budget(
         progress=False,
         # Fixed work per run: a prompt measured again (the greedy check's, another routing's)
         # must not reuse K/V (a routing override would even change it). bench k=v may set it.
-        **{"enable_prefix_caching": False, **s.llm_kwargs},
+        **{"enable_prefix_caching": False, **s.llm_kwargs, **extra},
     )
     load_s = time.perf_counter() - t_load
     try:
@@ -384,6 +390,13 @@ def _metrics(
         expert_format=str(plan["expert_format"]),  # how experts are stored and moved
         kv_cache_dtype=str(plan["kv_cache_dtype"]),  # the effective KV storage format
         kv_bytes_per_token=int(plan["kv_bytes_per_token"]),
+        kv_blocks=int(plan["kv_blocks_total"]),
+        kv_cache_bytes=int(plan["kv_cache_bytes"]),
+        # the memory split (None unless --gpu-memory): the budget, each side's bytes, the rule
+        gpu_memory_bytes=plan.get("gpu_memory_bytes"),
+        split_expert_bytes=plan.get("split_expert_bytes"),
+        split_kv_bytes=plan.get("split_kv_bytes"),
+        split_reason=plan.get("split_reason"),
         load_s=load_s,
         ttft_ms=statistics.median(it.ttft_s for it in its) * 1e3,
         tpot_ms=tpot,

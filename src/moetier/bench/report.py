@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moetier.config import format_bytes
+
 _COLUMNS = (
     ("routing", "routing", "{}"),
     ("budget", "budget", "{}"),
@@ -84,9 +86,28 @@ def latency_table(result: dict[str, Any]) -> str:
             )
     for note in result.get("notes", []):
         lines.append(f"\nnote: {note}")
+    lines.extend(_split_lines(result["configs"]))
     lines.extend(_prefetch_lines(result["configs"]))
     lines.extend(_top_kernels(result["configs"]))
     return "\n".join(lines)
+
+
+def _split_lines(configs: list[dict[str, Any]]) -> list[str]:
+    """Per configuration that ran under --gpu-memory: how the budget was split."""
+    out = []
+    for cfg in configs:
+        if not cfg.get("gpu_memory_bytes"):  # None (older results) or 0: no split
+            continue
+        out.append(
+            f"\nmemory split, {cfg.get('routing', '')} {cfg['budget']}: "
+            f"{format_bytes(cfg['gpu_memory_bytes'])} -> experts "
+            f"{format_bytes(cfg['split_expert_bytes'])} ({cfg['device_slots']} of "
+            f"{cfg['total_experts']} experts, {100 * cfg['budget_fraction']:.1f}%), KV "
+            f"{format_bytes(cfg['split_kv_bytes'])} ({cfg['kv_blocks']} blocks, "
+            f"{cfg['kv_cache_dtype']}, {cfg['kv_bytes_per_token']} B/token); "
+            f"rule: {cfg['split_reason']}"
+        )
+    return out
 
 
 def _prefetch_lines(configs: list[dict[str, Any]]) -> list[str]:
