@@ -109,7 +109,7 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         progress: bool = True,
         moe_grouped_kernel: bool | None = None,
-        moe_mxfp4_kernel: bool = False,
+        moe_mxfp4_kernel: bool = True,
         moe_stream_share: float | None = None,
         moe_slot_kernel_max_pairs: int | None = None,
         fused_kernels: bool | None = None,

@@ -244,9 +244,9 @@ def test_mxfp4_experts_on_the_kernels(mxfp4: Path, kernel: str) -> None:
     assert stats["resident_lookups"] > 0 and stats["requests"] == 0
 
 
-def test_mxfp4_experts_take_the_loop_by_default(mxfp4: Path) -> None:
-    # moe_mxfp4_kernel off (the default until the kernels have run on a GPU): the loop decodes
-    llm = check(mxfp4, "100%", moe_slot_kernel_max_pairs=1 << 20, prompts=1)
+def test_mxfp4_kernel_off_takes_the_loop(mxfp4: Path) -> None:
+    # moe_mxfp4_kernel=False: no kernel layout, the loop decodes each expert
+    llm = check(mxfp4, "100%", moe_slot_kernel_max_pairs=1 << 20, prompts=1, moe_mxfp4_kernel=False)
     blocks = llm.engine.runner.model.moe_blocks()
     assert all(b.slot_layout is None and b.slot_kernel_max_pairs == 0 for b in blocks)
 

@@ -211,7 +211,7 @@ class ModelRunner:
             MXFP4 in (v.gate_up_format, v.down_format) for v in kernel_layout.values()
         )
         if mxfp4 and not config.moe_mxfp4_kernel:
-            kernel_layout = None  # not yet compiled on a GPU: the loop (moe_mxfp4_kernel)
+            kernel_layout = None  # the kernels' MXFP4 decode turned off: the loop
         if kernel_layout is None:
             # No kernel reads this format: each expert is decoded where the per-expert loop
             # computes it.
