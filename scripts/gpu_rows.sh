@@ -7,7 +7,8 @@
 #      TOOL_LEN (2,048)-token tool result; TTFT per turn against a fresh request holding only
 #      the turn's new tokens, with --compare-prefix-off unless AGENT_OFF=0;
 #   2. KV_SPLIT=1: `bench latency --gpu-memory GPU_MEMORY` with bf16 and int8 KV at batch 1
-#      and 16 (KV_BATCHES) on the 12-layer Qwen3-30B-A3B shape (the arithmetic is below);
+#      and 16 (KV_BATCHES) on the 12-layer Qwen3-30B-A3B shape (scripts/gpu_kv_split.sh's
+#      runs, with KV_LAYERS, KV_MAX_LEN for its LAYERS, MAX_LEN; the arithmetic is there);
 #   3. ROWS: `bench latency` rows, one per entry "shape[:layers[:k=v,k=v]]" (layers empty: the
 #      shape's real depth; the settings go to --set), at ROW_BUDGETS (100%,25%), batch 1,
 #      64-token prompt, 32 new tokens, uniform routing (trace routing with TRACE for shapes of
@@ -46,23 +47,9 @@ if [ "${AGENT:-0}" = 1 ]; then
 fi
 
 if [ "${KV_SPLIT:-0}" = 1 ]; then
-  # One --gpu-memory, bf16 vs int8 KV, batch 1 and 16, on the 12-layer Qwen3-30B-A3B shape
-  # (trace routing). Default budget, from the split rule (engine/memory_split.py): non-expert
-  # weights ~1.70 GB (embeddings and lm_head 2 x 151,936 x 2,048 x 2 B, 12 attention layers of
-  # 37.7 MB) + reserve 1.38 GB (1 GiB + 4,096 x 16 x 2,048 x 2 B + 16 x 151,936 x 16 B) + the
-  # KV request of 16 sequences x 32,768 tokens x 24,576 B (bf16, 12 layers x 4 KV heads x 128 x
-  # 2 x 2 B) = 12.88 GB + 3.62 GB of experts (25 % of 12 x 128 x 9.44 MB) = 19.6 GB. With int8
-  # KV the request is about half and the split gives the difference to expert slots.
-  L=${KV_LAYERS:-12}
-  if step kv-generate python3 -m moetier bench synthetic qwen3-30b-a3b --layers "$L" --seed 0; then
-    for b in ${KV_BATCHES:-1 16}; do
-      for fmt in bf16 int8; do
-        latency "kv-$fmt-b$b" --synthetic qwen3-30b-a3b --layers "$L" --routing "trace:$TRACE" \
-          --gpu-memory "${GPU_MEMORY:-18.25GiB}" --kv-cache-dtype "$fmt" --batch-size "$b" \
-          --num-prompts "$b" --set "max_model_len=${KV_MAX_LEN:-32768} max_num_seqs=16"
-      done
-    done
-  fi
+  # the runs and the default budget's arithmetic: scripts/gpu_kv_split.sh
+  source scripts/gpu_kv_split.sh
+  LAYERS=${KV_LAYERS:-12} MAX_LEN=${KV_MAX_LEN:-32768} BATCHES=${KV_BATCHES:-1 16} kv_split
 fi
 
 rows=(${ROWS:-})

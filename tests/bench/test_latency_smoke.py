@@ -214,3 +214,90 @@ def test_gpu_memory_refuses_other_expert_budgets() -> None:
     assert latency_budgets("100%", "20GiB") == ["100%"]
     with pytest.raises(ConfigError, match="leave --expert-budget out"):
         latency_budgets("100%,25%", "20GiB")
+
+
+def test_gpu_memory_split_below_every_expert_is_bounded_at_its_slots(tmp_path: Path) -> None:
+    """A --gpu-memory that leaves room for 12 of the 32 experts beside the KV request: the run
+    has 12 slots, its bound counts Belady's misses at 12 slots, and the table labels the row by
+    the device budget and the experts' share, with the KV format beside it."""
+    from moetier import LLM
+    from moetier.bench.report import latency_table
+    from moetier.bench.synthetic import ensure_synthetic
+    from moetier.config import format_bytes
+
+    # the non-expert weights and the reserve as the split sees them (any fitting budget works)
+    llm = LLM(
+        str(ensure_synthetic("tiny-qwen3", None, 0)),
+        gpu_memory="1100MiB",
+        kv_cache_dtype="int8",
+        max_model_len=256,
+        max_num_seqs=4,
+        progress=False,
+    )
+    split_plan, stats = llm.engine.runner.memory_split, llm.offload_stats()
+    del llm
+    eb = stats["expert_bytes"]
+    request = 4 * 256 * stats["kv_bytes_per_token"]  # max_num_seqs x max_model_len
+    gpu = split_plan.weights + split_plan.reserve + request + 12 * eb + eb // 2
+    out = tmp_path / "split12.json"
+    rc = main(
+        ["bench", "latency", "--synthetic", "tiny-qwen3", "--gpu-memory", str(gpu)]
+        + ["--kv-cache-dtype", "int8", "--set", "max_model_len=256 max_num_seqs=4"]
+        + ["--input-len", "16", "--output-len", "8", "--no-progress", "--save-result", str(out)]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    ref, split = res["configs"]
+    assert res["settings"]["gpu_memory"] == str(gpu)
+    assert split["gpu_memory_bytes"] == gpu and split["split_reason"] == "kv_request"
+    assert (split["device_slots"], split["total_experts"]) == (12, 32)
+    assert split["budget_fraction"] == 12 / 32
+    assert split["split_expert_bytes"] == 12 * eb == split["budget_bytes"]
+    assert split["kv_blocks"] >= 4 * 256 // 16 and split["kv_cache_dtype"] == "int8"
+    assert split["split_kv_bytes"] == split["kv_cache_bytes"] >= request
+    # the bound at the split's own 12 slots: the reference's busy time plus Belady's misses
+    link = res["link"]
+    assert split["belady_misses_per_token"] > 0
+    per_miss_ms = link["link_bytes_per_miss"] / (link["bound_GBps"] * 1e9) * 1e3
+    assert split["bound_tpot_ms"] == pytest.approx(
+        ref["gpu_busy_ms"] + split["belady_misses_per_token"] * per_miss_ms
+    )
+    assert split["bound_tpot_ms"] > ref["bound_tpot_ms"]
+    table = latency_table(res)
+    assert "| routing | budget | slots | KV | TTFT ms |" in table
+    assert "| model | 100% | 32 | int8 |" in table
+    assert f"| model | gpu {gpu} (experts 38%) | 12 | int8 |" in table
+    assert f"-> experts {format_bytes(12 * eb)} (12 of 32 experts, 37.5%), KV " in table
+
+
+def test_budget_label() -> None:
+    from moetier.bench.report import budget_label
+
+    split = {"budget": "gpu-memory 20GiB", "gpu_memory_bytes": 20 << 30, "budget_fraction": 0.41}
+    assert budget_label(split, "20GiB") == "gpu 20GiB (experts 41%)"
+    share = {**split, "budget": "gpu-memory 90%", "gpu_memory_bytes": 18 << 30}
+    assert budget_label(share, "90%") == "gpu 90% = 18.00 GiB (experts 41%)"
+    assert budget_label({"budget": "25%", "gpu_memory_bytes": 0}, None) == "25%"
+    assert budget_label({"budget": "25%"}, None) == "25%"  # results from before the split
+
+
+def test_table_without_gpu_memory_has_no_kv_column(result: tuple[dict, Path]) -> None:
+    from moetier.bench.report import latency_table
+
+    table = latency_table(result[0])
+    assert "| routing | budget | slots | TTFT ms |" in table and "| KV |" not in table
+    assert "| uniform | 25% | 8 |" in table and "memory split" not in table
+
+
+def test_set_may_not_name_a_budget() -> None:
+    from moetier.bench.cli import latency_llm_kwargs
+    from moetier.errors import ConfigError
+
+    assert latency_llm_kwargs("max_model_len=256 max_num_seqs=4") == {
+        "max_model_len": 256,
+        "max_num_seqs": 4,
+    }
+    with pytest.raises(ConfigError, match="give --gpu-memory 20GiB, not --set gpu_memory=20GiB"):
+        latency_llm_kwargs("max_num_seqs=4 gpu_memory=20GiB")
+    with pytest.raises(ConfigError, match="give --expert-budget 25%, not --set expert_budget=25%"):
+        latency_llm_kwargs("expert_budget=25%")

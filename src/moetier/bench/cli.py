@@ -274,6 +274,23 @@ def latency_budgets(expert_budget: str | None, gpu_memory: str | None) -> list[s
     return budgets
 
 
+def latency_llm_kwargs(text: str) -> dict[str, Any]:
+    """--set for bench latency: each run's budget comes from --expert-budget / --gpu-memory, so
+    --set naming either is refused (it would reach the 100% reference or the split run)."""
+    from moetier.errors import ConfigError
+
+    kwargs = parse_kv(text)
+    for key in ("expert_budget", "gpu_memory"):
+        if key in kwargs:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"bench latency sets each run's budget itself: give {flag} {kwargs[key]}, not "
+                f"--set {key}={kwargs[key]} (--set applies to every run, the 100% reference "
+                "included)"
+            )
+    return kwargs
+
+
 def latency_settings(args: argparse.Namespace) -> Any:
     from moetier.bench.latency import LatencySettings
 
@@ -301,7 +318,7 @@ def latency_settings(args: argparse.Namespace) -> Any:
         accelerate_output_len=args.accelerate_output_len,
         save_trace=args.save_trace,
         llm_kwargs=_with_kv_dtype(
-            _with_prefetch(parse_kv(args.set), args.prefetch), args.kv_cache_dtype
+            _with_prefetch(latency_llm_kwargs(args.set), args.prefetch), args.kv_cache_dtype
         ),
         progress=not args.no_progress,
     )

@@ -63,19 +63,39 @@ def settings_line(s: dict[str, Any]) -> str:
     )
 
 
+_KV_COLUMN = ("KV", "kv_cache_dtype", "{}")  # beside "slots" when a run had --gpu-memory
+
+
+def budget_label(cfg: dict[str, Any], gpu_memory: str | None) -> str:
+    """The budget column: the expert budget as given, or for a --gpu-memory run the device
+    budget (`gpu_memory`, as given) and the experts' share the split gave it:
+    "gpu 20GiB (experts 41%)"; a share of the device also shows its bytes."""
+    total = cfg.get("gpu_memory_bytes")
+    if not total:  # None (older results) or 0: no split
+        return str(cfg["budget"])
+    given = gpu_memory or format_bytes(total)
+    if given.endswith("%"):
+        given += f" = {format_bytes(total)}"
+    return f"gpu {given} (experts {100 * cfg['budget_fraction']:.0f}%)"
+
+
 def latency_table(result: dict[str, Any]) -> str:
     s, link = result["settings"], result["link"]
+    columns = list(_COLUMNS)
+    if any(cfg.get("gpu_memory_bytes") for cfg in result["configs"]):
+        columns.insert(columns.index(("slots", "device_slots", "{}")) + 1, _KV_COLUMN)
     lines = [
         settings_line(s),
         f"link: {link['link']}: {link['GBps_16MiB']:.2f} GB/s at 16 MiB, "
         f"{link['GBps_expert']:.2f} GB/s at one expert ({link['expert_bytes'] / 1e6:.2f} MB); "
         f"busy: {s['gpu_busy_source']}; per token = {s['per_token']}",
         "",
-        "| " + " | ".join(c[0] for c in _COLUMNS) + " |",
-        "|" + "---|" * len(_COLUMNS),
+        "| " + " | ".join(c[0] for c in columns) + " |",
+        "|" + "---|" * len(columns),
     ]
     for cfg in result["configs"]:
-        lines.append("| " + " | ".join(_cell(cfg.get(k), f) for _, k, f in _COLUMNS) + " |")
+        row = {**cfg, "budget": budget_label(cfg, s.get("gpu_memory"))}
+        lines.append("| " + " | ".join(_cell(row.get(k), f) for _, k, f in columns) + " |")
     for base in result.get("baselines", []):
         if base.get("skipped"):
             lines.append(f"\n{base['name']}: skipped: {base['skipped']}")
