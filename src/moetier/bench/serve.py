@@ -14,6 +14,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,6 +86,9 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens when sent
     output_ids: list[int] = field(default_factory=list)  # streamed token ids
     output_text: str = ""
+    sent_at: float = math.nan  # time.perf_counter() at the send
+    # time.perf_counter() of each streamed token's chunk (a chunk of k tokens: k equal times)
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def tpot(self) -> float:
@@ -164,13 +168,18 @@ def _usage(res: RequestResult, usage: dict[str, Any]) -> int:
 
 
 async def send_request(
-    client: Any, run: ServeBenchRun, p: BenchPrompt, index: int
+    client: Any,
+    run: ServeBenchRun,
+    p: BenchPrompt,
+    index: int,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> RequestResult:
-    """Stream one request; time each chunk that carries tokens."""
+    """Stream one request; time each chunk that carries tokens. `on_tokens`, when given, is
+    called with the tokens streamed so far after each such chunk."""
     path, body = _payload(run, p, index)
     res = RequestResult(prompt_len=p.prompt_len, expected_tokens=p.output_len)
     usage_tokens: int | None = None
-    t0 = time.perf_counter()
+    t0 = res.sent_at = time.perf_counter()
     last = t0
     try:
         async with client.stream(
@@ -208,7 +217,10 @@ async def send_request(
                     # gap/k each, as the server's own inter-token histogram does.
                     res.itl += [(now - last) / n] * n
                 res.output_tokens += n
+                res.token_times += [now] * n
                 last = now
+                if on_tokens is not None:
+                    on_tokens(res.output_tokens)
         res.e2el = time.perf_counter() - t0
         if usage_tokens is not None:
             res.output_tokens = usage_tokens
@@ -370,7 +382,7 @@ def add_sharing(levels: list[dict[str, Any]]) -> None:
 
 def request_record(r: RequestResult) -> dict[str, Any]:
     """One request for the JSON: lengths, latencies (s) and error; not its tokens or gaps."""
-    skip = ("itl", "output_ids", "output_text")
+    skip = ("itl", "output_ids", "output_text", "sent_at", "token_times")
     return {k: v for k, v in asdict(r).items() if k not in skip} | {"tpot": r.tpot}
 
 

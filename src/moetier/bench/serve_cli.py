@@ -101,10 +101,11 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     wl.add_argument(
         "--workload",
-        choices=["requests", "agent"],
+        choices=["requests", "agent", "contention"],
         default="requests",
         help="requests: independent prompts per concurrency level; agent: multi-turn "
-        "conversations (--turns, --tool-result-len), one request at a time, prefix caching on",
+        "conversations (--turns, --tool-result-len), one request at a time, prefix caching on; "
+        "contention: a --long-len prompt sent while --decoders requests decode",
     )
     wl.add_argument("--turns", type=int, default=6, help="agent: turns per conversation")
     wl.add_argument(
@@ -123,6 +124,18 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="agent: run the same conversations again on a second started server with "
         "prefix caching off (TTFT and output ids side by side)",
+    )
+    wl.add_argument(
+        "--decoders", type=int, default=4, help="contention: requests decoding (default 4)"
+    )
+    wl.add_argument(
+        "--contention-after",
+        type=int,
+        default=8,
+        help="contention: tokens every decoder streams before the long prompt is sent",
+    )
+    wl.add_argument(
+        "--long-len", type=int, default=4096, help="contention: the long prompt's tokens"
     )
     wl.add_argument("--api-key", default=None, help="bearer key (default: $MOETIER_API_KEY)")
     wl.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
@@ -406,6 +419,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tok_path)
     if args.workload == "agent":
         return _cmd_agent(args, tokenizer, tok_path, api_key)
+    if args.workload == "contention":
+        return _cmd_contention(args, tokenizer, tok_path, api_key)
     prompts, in_desc, out_desc = _prompts(args, tokenizer)
     with contextlib.ExitStack() as stack:
         started = None
@@ -577,3 +592,87 @@ def _agent_notes() -> list[str]:
         "cached_tokens: usage.prompt_tokens_details, mean; bytes: mean expert bytes moved per "
         "conversation turn (moetier:expert_bytes_total by path).",
     ]
+
+
+# The long request's tokens: enough to time its first token, few enough not to prolong the run.
+_LONG_OUTPUT_LEN = 4
+
+
+def _chunk_tokens(args: argparse.Namespace) -> tuple[int, str]:
+    """The server's max_num_batched_tokens (one prefill chunk at most) and where it came from:
+    --serve-args, else `moetier serve`'s default (with --base-url: assumed, not known)."""
+    from moetier.server.cli import add_serve_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve = add_serve_parser(sub)
+    if not args.base_url:
+        known, _ = serve.parse_known_args(["x", *shlex.split(args.serve_args)])
+        flag = "--max-num-batched-tokens"
+        given = any(a.split("=")[0] == flag for a in shlex.split(args.serve_args))
+        return int(known.max_num_batched_tokens), "--serve-args" if given else "serve default"
+    return int(serve.get_default("max_num_batched_tokens")), "serve default, assumed (--base-url)"
+
+
+def _cmd_contention(
+    args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key: str | None
+) -> int:
+    """The contention workload: --decoders requests decoding, then one --long-len prompt;
+    the decoders' ITL before, during and after its prefill."""
+    from moetier.bench.report import save_json
+    from moetier.bench.serve import ServeBenchRun
+    from moetier.bench.serve_contention import (
+        contention_notes,
+        contention_table,
+        run_contention,
+    )
+    from moetier.bench.serve_data import sample_random
+
+    if args.dataset != "random":
+        raise ConfigError("--workload contention draws random tokens: use --dataset random")
+    if args.decoders < 1 or args.long_len < 1 or args.contention_after < 1:
+        raise ConfigError("--decoders, --long-len and --contention-after must be at least 1")
+    input_len, output_len = args.input_len or 128, args.output_len or 512
+    if output_len <= args.contention_after:
+        raise ConfigError(
+            f"--output-len {output_len} must exceed --contention-after {args.contention_after} "
+            "(the decoders must still be decoding when the long prompt arrives)"
+        )
+    as_text = args.endpoint == "chat"
+    dec = sample_random(tokenizer, args.decoders, input_len, output_len, args.seed, as_text)
+    (long,) = sample_random(tokenizer, 1, args.long_len, _LONG_OUTPUT_LEN, args.seed + 1, as_text)
+    warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
+    chunk, chunk_source = _chunk_tokens(args)
+    with contextlib.ExitStack() as stack:
+        started, url = None, (args.base_url or "").rstrip("/")
+        if not url:
+            started = stack.enter_context(started_server(args, api_key))
+            url = started["url"]
+        served = _served_model(url, api_key, args.served_model_name)
+        run = ServeBenchRun(
+            base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
+            concurrencies=[args.decoders + 1], seed=args.seed, temperature=args.temperature,
+            api_key=api_key, warmup=args.warmup, request_timeout_s=args.request_timeout,
+            progress=False,
+        )  # fmt: skip
+        contention = asyncio.run(run_contention(run, dec, long, args.contention_after, chunk))
+        settings = _settings(
+            args, args.model or tok_path, served, url, [*dec, long], str(input_len),
+            str(output_len), started,
+        )  # fmt: skip
+    settings.update(
+        workload="contention",
+        decoders=args.decoders,
+        contention_after=args.contention_after,
+        long_len=args.long_len,
+        long_output_len=_LONG_OUTPUT_LEN,
+        chunk_tokens=chunk,
+        chunk_tokens_source=chunk_source,
+    )
+    result = {"settings": settings, "contention": contention, "notes": contention_notes()}
+    print(contention_table(result))
+    for note in result["notes"]:
+        print(f"- {note}")
+    if args.save_result:
+        save_json(args.save_result, result)
+        print(f"\nsaved {args.save_result}", file=sys.stderr)
+    return 0
