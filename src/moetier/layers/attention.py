@@ -47,7 +47,8 @@ def attend(
     engine/kv_cache.py): all one-token (decode) rows in one batched SDPA call with a padding
     mask, each longer chunk (prefill) in its own call with a causal mask offset by the cached
     tokens (on CUDA a chunk with nothing cached before it is `is_causal`, SDPA's flash
-    kernel). GQA heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
+    kernel; on the CPU a chunk with history takes `_attend_with_history`, two mask-free flash
+    calls). GQA heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
     """
     meta = ctx.kv_batch
     ctx.kv.write(layer, k, v, meta.slot_mapping)
@@ -82,12 +83,15 @@ def attend(
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, dk]
         ks, vs = history(slots)  # [L, Hkv, d*]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, d*]
-        if span.past == 0 and chunk is None and window is None and sinks is None and q.is_cuda:
+        plain = chunk is None and window is None and sinks is None
+        if span.past == 0 and plain and q.is_cuda:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
             # kernel (native GQA); a mask would send it to a slower kernel.
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
+        elif span.past > 0 and plain and _split_history_ok(qs, vs):
+            o = _attend_with_history(qs, ks, vs, span.past, scale)
         else:
             mask = _causal_mask(ctx, i, q.device, chunk, window)
             o = _sdpa(qs, ks, vs, mask, scale, sinks)
@@ -108,6 +112,47 @@ def _sdpa(
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return _sink_attention(q, k, v, mask, scale, sinks)
+
+
+# The CPU flash kernel, which also returns each row's log-sum-exp (SDPA does not); None where
+# this torch lacks it (the masked SDPA call then serves every chunk with history).
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+SPLIT_HISTORY = True  # switch: chunks with history on the CPU split at the history (tests, A/B)
+
+
+def _split_history_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `_attend_with_history` serves this chunk: on the CPU, where the flash kernel
+    (equal q/k/v head sizes; not MLA's narrower values) returns log-sum-exps."""
+    return (
+        SPLIT_HISTORY
+        and _CPU_FLASH is not None
+        and q.device.type == "cpu"
+        and q.shape[-1] == v.shape[-1]
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def _attend_with_history(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float
+) -> torch.Tensor:
+    """q [1, H, n, d], k/v [1, Hkv, past + n, d] -> [1, H, n, d]: causal attention of n new
+    tokens at positions past .. past + n - 1, in two mask-free flash calls merged exactly.
+
+    A [n, past + n] mask keeps the CPU flash kernel from skipping any key block and adds a
+    mask pass to every one; yet every query sees all `past` cached keys, and among the new
+    keys the mask is plain top-left causal. So: the history (no mask) and the new tokens
+    (`is_causal`, upper blocks skipped), each with its rows' log-sum-exp, merged as
+    o = sum_i o_i * exp(lse_i - logaddexp(lse_1, lse_2)) — the same softmax, summed in
+    another order (float rounding apart, equal to the masked call). GQA is native. On the
+    demo model (4,288 cached + 1,040 new tokens, 2 CPU cores) attention over 30 layers took
+    3.3 s instead of 4.3 s; the rest is the history's own FLOPs (4.6x a fresh chunk's)."""
+    assert _CPU_FLASH is not None
+    o1, lse1 = _CPU_FLASH(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
+    o2, lse2 = _CPU_FLASH(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse1, lse2)  # [1, H, n] float32
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)  # [1, H, n, 1]
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
 
 
 _SINK_LOGITS = 1 << 26  # logits of one sink-attention chunk (256 MiB in float32)
