@@ -6,6 +6,8 @@
 #      (12) layers, 25 % expert budget, one conversation of AGENT_TURNS (6) turns, each adding a
 #      TOOL_LEN (2,048)-token tool result; TTFT per turn against a fresh request holding only
 #      the turn's new tokens, with --compare-prefix-off unless AGENT_OFF=0;
+#   1b. CONTENTION=1: `bench serve --workload contention` on the same shape at CONT_BUDGETS
+#      (100% 25%): decoders' ITL while a CONT_LONG-token prompt is prefilled (see below);
 #   2. KV_SPLIT=1: `bench latency --gpu-memory GPU_MEMORY` with bf16 and int8 KV at batch 1
 #      and 16 (KV_BATCHES) on the 12-layer Qwen3-30B-A3B shape (scripts/gpu_kv_split.sh's
 #      runs, with KV_LAYERS, KV_MAX_LEN for its LAYERS, MAX_LEN; the arithmetic is there);
@@ -43,6 +45,26 @@ if [ "${AGENT:-0}" = 1 ]; then
       --seed 0 --server-timeout 240 --serve-args "--max-model-len ${AGENT_MAX_LEN:-16384}" "${off[@]}" \
       --server-log "$WORK/agent-server.log" --save-result "$WORK/agent.json" --no-progress
     grep -A12 "^| turn" "$WORK/agent.log" >"$WORK/agent.md" 2>/dev/null
+  fi
+fi
+
+if [ "${CONTENTION:-0}" = 1 ]; then
+  # `bench serve --workload contention`: CONT_DECODERS (4) requests decode while one
+  # CONT_LONG (4,096)-token prompt is prefilled in chunks of CONT_CHUNK (512) tokens; decoder
+  # ITL before / during / after, against one chunk's time (issue #19 item 4)
+  L=${AGENT_LAYERS:-12}
+  A=${AGENT_SHAPE:-qwen3-30b-a3b}
+  if step contention-generate python3 -m moetier bench synthetic "$A" --layers "$L" --seed 0; then
+    Q3=$(ls -d "$MOETIER_HOME"/synthetic/"$A"-L"$L"-s0 | head -n 1)
+    for b in ${CONT_BUDGETS:-100% 25%}; do
+      step "contention-${b%\%}" python3 -m moetier bench serve --model "$Q3" --expert-budget "$b" \
+        --dtype bfloat16 --workload contention --dataset random --decoders "${CONT_DECODERS:-4}" \
+        --input-len 128 --output-len "${CONT_OUTPUT:-256}" --contention-after 16 \
+        --long-len "${CONT_LONG:-4096}" --temperature 0 --seed 0 --server-timeout 240 \
+        --serve-args "--max-num-batched-tokens ${CONT_CHUNK:-512} --max-model-len 8192" \
+        --server-log "$WORK/contention-${b%\%}-server.log" \
+        --save-result "$WORK/contention-${b%\%}.json" --no-progress
+    done
   fi
 fi
 

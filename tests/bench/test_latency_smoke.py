@@ -92,6 +92,10 @@ def test_keys_present_and_finite(result: tuple[dict, Path]) -> None:
         for key in KEYS:
             assert isinstance(cfg[key], (int, float)) and math.isfinite(cfg[key]), key
         assert cfg["bound_tpot_ms"] > 0 and cfg["tokens_match_reference"] is True
+    # greedy tokens with the model's routers: once per budget (first routing), 25% == 100%
+    greedy = [c.get("greedy_tokens") for c in res["configs"]]
+    assert len(greedy[0]) == 8 and greedy[1] == greedy[0] and greedy[2:] == [None, None]
+    assert [c.get("greedy_match_reference") for c in res["configs"]] == [True, True, None, None]
     for key in SETTINGS:
         assert key in res["settings"], key
     assert res["link"]["GBps_expert"] > 0 and res["link"]["GBps_16MiB"] > 0

@@ -229,8 +229,9 @@ def run_budget(
     )
     load_s = time.perf_counter() - t_load
     try:
-        # the model's own routing, before any override: what transformers is checked against
-        greedy = _greedy_tokens(llm, prompts[0], s) if budget == "100%" else []
+        # the model's own routing, before any override: what transformers and the other
+        # budgets are checked against (greedy, so an ulp of difference cannot flip a sample)
+        greedy = _greedy_tokens(llm, prompts[0])
         runs = [
             measure(llm, budget, s, spec, source, prompts, warm_prompts, load_s)
             for spec, source in routings
@@ -330,12 +331,11 @@ def measure(
     )
 
 
-def _greedy_tokens(llm: Any, prompt: list[int], s: LatencySettings) -> list[int]:
-    """Greedy tokens of the first prompt, for the transformers agreement check (else [])."""
+def _greedy_tokens(llm: Any, prompt: list[int]) -> list[int]:
+    """Greedy tokens of the first prompt with the model's routers: every budget's are compared
+    with the 100% run's, and the 100% run's with transformers."""
     from moetier import SamplingParams
 
-    if "transformers" not in s.compare:
-        return []
     params = SamplingParams(max_tokens=GREEDY_CHECK_TOKENS, temperature=0.0, ignore_eos=True)
     return list(llm.generate([prompt], params)[0].outputs[0].token_ids)
 

@@ -37,7 +37,8 @@ _COLUMNS = (
     ("Belady hit", "belady_hit_rate", "{:.3f}"),
     ("bound ms", "bound_tpot_ms", "{:.2f}"),
     ("TPOT/bound", "tpot_over_bound", "{:.2f}"),
-    ("same tokens", "tokens_match_reference", "{}"),
+    ("same greedy", "greedy_match_reference", "{}"),
+    ("same samples", "tokens_match_reference", "{}"),
 )
 
 

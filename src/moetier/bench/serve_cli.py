@@ -517,6 +517,8 @@ def _agent_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Any]
         args.seed, as_text,
     )  # fmt: skip
     warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
+    if args.warmup > 0:  # a tool result's length too: no turn pays a long prompt's first use
+        warm += sample_random(tokenizer, 1, args.tool_result_len, 8, args.seed + 7920, as_text)
     return convs, warm
 
 
@@ -545,8 +547,8 @@ def _cmd_agent(args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key:
             run = ServeBenchRun(
                 base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
                 concurrencies=[1], seed=args.seed, temperature=args.temperature,
-                api_key=api_key, warmup=args.warmup, request_timeout_s=args.request_timeout,
-                progress=False,
+                api_key=api_key, warmup=len(warm) if args.warmup > 0 else 0,
+                request_timeout_s=args.request_timeout, progress=False,
             )  # fmt: skip
             runs["on" if prefix else "off"] = asyncio.run(run_agent(run, convs, not args.no_fresh))
             if prefix:
@@ -641,6 +643,8 @@ def _cmd_contention(
     dec = sample_random(tokenizer, args.decoders, input_len, output_len, args.seed, as_text)
     (long,) = sample_random(tokenizer, 1, args.long_len, _LONG_OUTPUT_LEN, args.seed + 1, as_text)
     warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
+    if args.warmup > 0:  # the long prompt's length too: its chunks pay no first use
+        warm += sample_random(tokenizer, 1, args.long_len, 8, args.seed + 7920, as_text)
     chunk, chunk_source = _chunk_tokens(args)
     with contextlib.ExitStack() as stack:
         started, url = None, (args.base_url or "").rstrip("/")
@@ -651,8 +655,8 @@ def _cmd_contention(
         run = ServeBenchRun(
             base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
             concurrencies=[args.decoders + 1], seed=args.seed, temperature=args.temperature,
-            api_key=api_key, warmup=args.warmup, request_timeout_s=args.request_timeout,
-            progress=False,
+            api_key=api_key, warmup=len(warm) if args.warmup > 0 else 0,
+            request_timeout_s=args.request_timeout, progress=False,
         )  # fmt: skip
         contention = asyncio.run(run_contention(run, dec, long, args.contention_after, chunk))
         settings = _settings(
