@@ -15,7 +15,7 @@
 #      shape's real depth; the settings go to --set), at ROW_BUDGETS (100%,25%), batch 1,
 #      64-token prompt, 32 new tokens, uniform routing (trace routing with TRACE for shapes of
 #      128 experts top-8), then ROW_ARGS (later flags win: --input-len 2048); a shape's
-#      checkpoint is deleted after its last consecutive row.
+#      checkpoint is deleted after its last consecutive row (kept with ROW_KEEP=1).
 # Results under $OUT: summary.md, rows-results.tar.gz, gpu_rows.log.
 set -uo pipefail
 START=$SECONDS
@@ -87,7 +87,7 @@ for i in "${!rows[@]}"; do
       --routing "$routing" ${sets:+--set "${sets//,/ }"} ${ROW_ARGS:-}
   fi
   next=${rows[$((i + 1))]:-}
-  [ "${next%%:*}" = "$shape" ] || rm -rf "$MOETIER_HOME/synthetic/$shape-"*
+  [ "${next%%:*}" = "$shape" ] || [ "${ROW_KEEP:-0}" = 1 ] || rm -rf "$MOETIER_HOME/synthetic/$shape-"*
 done
 
 summarize "$WORK/agent.log"
