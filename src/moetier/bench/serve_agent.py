@@ -176,20 +176,29 @@ def _mean(values: list[Any]) -> float | None:
 
 
 async def run_agent(
-    run: ServeBenchRun, conversations: list[AgentConversation], fresh: bool = True
+    run: ServeBenchRun,
+    conversations: list[AgentConversation],
+    fresh: bool = True,
+    warm: list[AgentConversation] | None = None,
 ) -> dict[str, Any]:
-    """Warm-up, then every conversation one after another (one request in flight)."""
+    """Warm-up, then every conversation one after another (one request in flight). The
+    warm-up plays the `warm` conversations whole (fresh requests too), else sends run.warmup
+    of run.prompts; nothing of it is recorded."""
     import httpx
 
     if not conversations:
         raise ConfigError("no conversations to send (--num-prompts must be at least 1)")
     timeout = httpx.Timeout(run.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
-        for i in range(run.warmup):
-            p = run.prompts[i % len(run.prompts)]
-            res = await send_request(client, run, p, -1 - i)
-            if not res.ok:
-                raise ConfigError(f"warm-up request failed: {res.error}")
+        if warm is not None:
+            for wi, conv in enumerate(warm):
+                await run_conversation(client, run, conv, -1 - wi, fresh)
+        else:
+            for i in range(run.warmup):
+                p = run.prompts[i % len(run.prompts)]
+                res = await send_request(client, run, p, -1 - i)
+                if not res.ok:
+                    raise ConfigError(f"warm-up request failed: {res.error}")
         gauges = await server_counters(client, run.base_url) or {}
         rows = []
         for ci, conv in enumerate(conversations):

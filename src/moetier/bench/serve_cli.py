@@ -138,7 +138,13 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
         "--long-len", type=int, default=4096, help="contention: the long prompt's tokens"
     )
     wl.add_argument("--api-key", default=None, help="bearer key (default: $MOETIER_API_KEY)")
-    wl.add_argument("--warmup", type=int, default=1, help="untimed requests before the sweep")
+    wl.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests before the sweep (agent, contention: > 0 plays the workload "
+        "once with other prompts first; 0: no warm-up)",
+    )
     wl.add_argument("--request-timeout", type=float, default=3600.0)
     p.add_argument("--save-result", default=None, metavar="FILE.json")
     p.add_argument("--no-progress", action="store_true")
@@ -505,8 +511,11 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _agent_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Any], list[Any]]:
-    """(the conversations, the warm-up prompts: random, drawn apart from the conversations)."""
-    from moetier.bench.serve_data import sample_agent, sample_random
+    """(the conversations, the warm-up: one conversation of as many turns, drawn apart from
+    them, or none with --warmup 0). Playing a whole conversation first makes every turn's
+    shapes (a prefill behind a cached prefix, decode at each context length) pay their first
+    use (kernel compiles, allocations) before the timed turns."""
+    from moetier.bench.serve_data import sample_agent
 
     if args.turns < 1:
         raise ConfigError("--turns must be at least 1")
@@ -516,9 +525,10 @@ def _agent_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[Any]
         tokenizer, args.num_prompts, args.turns, input_len, args.tool_result_len, output_len,
         args.seed, as_text,
     )  # fmt: skip
-    warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
-    if args.warmup > 0:  # a tool result's length too: no turn pays a long prompt's first use
-        warm += sample_random(tokenizer, 1, args.tool_result_len, 8, args.seed + 7920, as_text)
+    warm = sample_agent(
+        tokenizer, min(args.warmup, 1), args.turns, input_len, args.tool_result_len, output_len,
+        args.seed + 7919, as_text,
+    )  # fmt: skip
     return convs, warm
 
 
@@ -545,12 +555,14 @@ def _cmd_agent(args: argparse.Namespace, tokenizer: Any, tok_path: str, api_key:
                 url = started["url"]
             served = _served_model(url, api_key, args.served_model_name)
             run = ServeBenchRun(
-                base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
+                base_url=url, model=served, endpoint=args.endpoint, prompts=[],
                 concurrencies=[1], seed=args.seed, temperature=args.temperature,
-                api_key=api_key, warmup=len(warm) if args.warmup > 0 else 0,
-                request_timeout_s=args.request_timeout, progress=False,
+                api_key=api_key, warmup=len(warm), request_timeout_s=args.request_timeout,
+                progress=False,
             )  # fmt: skip
-            runs["on" if prefix else "off"] = asyncio.run(run_agent(run, convs, not args.no_fresh))
+            runs["on" if prefix else "off"] = asyncio.run(
+                run_agent(run, convs, not args.no_fresh, warm)
+            )  # fmt: skip
             if prefix:
                 firsts = [BenchPrompt(c.first, c.first_len, c.output_len) for c in convs]
                 desc = (str(args.input_len or 128), str(args.output_len or 128))
@@ -642,9 +654,13 @@ def _cmd_contention(
     as_text = args.endpoint == "chat"
     dec = sample_random(tokenizer, args.decoders, input_len, output_len, args.seed, as_text)
     (long,) = sample_random(tokenizer, 1, args.long_len, _LONG_OUTPUT_LEN, args.seed + 1, as_text)
-    warm = sample_random(tokenizer, max(1, args.warmup), input_len, 8, args.seed + 7919, as_text)
-    if args.warmup > 0:  # the long prompt's length too: its chunks pay no first use
-        warm += sample_random(tokenizer, 1, args.long_len, 8, args.seed + 7920, as_text)
+    # The warm-up rehearses the scenario once with other prompts (decoders, then a long prompt
+    # among them): the mixed steps (a chunk plus decode tokens) and the decode batch sizes
+    # after it pay their first use (kernel compiles, graph captures) before the timed run.
+    warm = sample_random(tokenizer, args.decoders, input_len, output_len, args.seed + 7919, as_text)
+    warm += sample_random(
+        tokenizer, 1, args.long_len, _LONG_OUTPUT_LEN, args.seed + 7920, as_text
+    )  # fmt: skip
     chunk, chunk_source = _chunk_tokens(args)
     with contextlib.ExitStack() as stack:
         started, url = None, (args.base_url or "").rstrip("/")
@@ -655,8 +671,8 @@ def _cmd_contention(
         run = ServeBenchRun(
             base_url=url, model=served, endpoint=args.endpoint, prompts=warm,
             concurrencies=[args.decoders + 1], seed=args.seed, temperature=args.temperature,
-            api_key=api_key, warmup=len(warm) if args.warmup > 0 else 0,
-            request_timeout_s=args.request_timeout, progress=False,
+            api_key=api_key, warmup=min(args.warmup, 1), request_timeout_s=args.request_timeout,
+            progress=False,
         )  # fmt: skip
         contention = asyncio.run(run_contention(run, dec, long, args.contention_after, chunk))
         settings = _settings(

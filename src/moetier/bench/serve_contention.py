@@ -151,17 +151,23 @@ async def run_contention(
     after: int,
     chunk_tokens: int,
 ) -> dict[str, Any]:
-    """Warm-up (run.prompts), then the decoders and the long request; the summary, each
-    request's record and each decoder's token arrival times (ms from the long request's send)."""
+    """Warm-up, then the decoders and the long request; the summary, each request's record and
+    each decoder's token arrival times (ms from the long request's send). With run.warmup > 0
+    the warm-up plays the scenario once on run.prompts (the decoders' prompts, then the long
+    one, none of them the timed ones)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(decoders) + 4)
     timeout = httpx.Timeout(run.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        for i in range(run.warmup):
-            res = await send_request(client, run, run.prompts[i % len(run.prompts)], -1 - i)
-            if not res.ok:
-                raise ConfigError(f"warm-up request failed: {res.error}")
+        if run.warmup > 0:
+            *warm_dec, warm_long = run.prompts
+            warm, warm_long_res = await _decoders_then_long(
+                client, run, warm_dec, warm_long, after
+            )  # fmt: skip
+            failed = [r for r in [*warm, warm_long_res] if not r.ok]
+            if failed:
+                raise ConfigError(f"warm-up request failed: {failed[0].error}")
         dec, long_res = await _decoders_then_long(client, run, decoders, long, after)
     for i, r in enumerate(dec):
         if not r.ok:
