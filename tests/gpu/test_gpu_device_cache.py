@@ -68,7 +68,7 @@ def test_observed_steps_replay_and_log_every_call(ckpt: Path) -> None:
                   cuda_graphs=graphs, **KW)  # fmt: skip
         runner = llm.engine.runner
         if graphs and runner.graphs is None:
-            pytest.skip("CUDA graphs are off for recurrent-state layers")
+            pytest.skip("CUDA graphs are off for host-sized attention")
         blocks = runner.model.moe_blocks()
         rec = TraceRecorder(TraceHeader(1, 1, 1, [b.layer for b in blocks], 1))
         rec.attach(blocks)

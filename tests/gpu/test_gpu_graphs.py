@@ -33,7 +33,7 @@ def test_graph_decode_parity_with_transformers(ckpt: Path) -> None:
 
 def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
     if graphs_off(ckpt):
-        pytest.skip("recurrent-state layers or host-sized attention: no CUDA graphs")
+        pytest.skip("host-sized attention: no CUDA graphs")
     kw = dict(expert_budget=None, device="cuda", dtype="float32", progress=False)
     eager = LLM(str(ckpt), cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt), cuda_graphs=True, **kw)
@@ -58,7 +58,7 @@ def test_piecewise_replays_equal_eager_steps(ckpt: Path, budget: str) -> None:
     """Offloaded decode as piecewise graphs (host fetches between MoE layers) computes what the
     eager offloaded step computes: same tokens batched and alone, same deterministic counts."""
     if graphs_off(ckpt):
-        pytest.skip("recurrent-state layers or host-sized attention: no CUDA graphs")
+        pytest.skip("host-sized attention: no CUDA graphs")
     from tests.models.parity import min_budget
 
     b = min_budget(ckpt) if budget == "min" else budget

@@ -26,7 +26,7 @@ pytestmark = [
 @pytest.mark.parametrize("budget", [None, "50%"])
 def test_int8_graph_replays_equal_eager_int8(ckpt: Path, budget: str | None) -> None:
     if not graphs_apply(ckpt):
-        pytest.skip("decode runs eagerly: recurrent-state layers or experts on the loop")
+        pytest.skip("decode runs eagerly: host-sized attention or experts on the loop")
     kw = dict(
         expert_budget=budget, device="cuda", dtype="float32", progress=False, kv_cache_dtype="int8"
     )

@@ -20,10 +20,10 @@ import torch
 from moetier import LLM, SamplingParams
 from tests.models.parity import (
     PROMPTS,
-    graphs_apply,
-    graphs_off,
     moe_kernels_apply,
     moetier_greedy,
+    prefill_graphs_apply,
+    prefill_graphs_off,
 )
 
 pytestmark = [
@@ -66,8 +66,8 @@ def _check_equal(llm: LLM, eager: LLM, prompts: list[list[int]]) -> None:
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_prefill_replays_equal_eager_prefill(ckpt: Path, kernel: str) -> None:
-    if graphs_off(ckpt):
-        pytest.skip("recurrent-state layers or host-sized attention: no CUDA graphs")
+    if prefill_graphs_off(ckpt):
+        pytest.skip("recurrent-state layers or host-sized attention: no prefill graphs")
     kw = dict(expert_budget=None, **KERNELS[kernel])
     eager = _llm(ckpt, prefill_graphs=False, **kw)
     llm = _llm(ckpt, **kw)
@@ -96,7 +96,7 @@ def test_prefill_replays_equal_eager_prefill(ckpt: Path, kernel: str) -> None:
 
 
 def test_prompt_above_the_largest_bucket_runs_eagerly(ckpt: Path) -> None:
-    if not graphs_apply(ckpt):
+    if not prefill_graphs_apply(ckpt):
         pytest.skip("no CUDA graphs for this family (per-expert loop or recurrent state)")
     eager = _llm(ckpt, expert_budget=None, prefill_graphs=False)
     llm = _llm(ckpt, expert_budget=None, prefill_graph_max_tokens=16)
@@ -112,7 +112,7 @@ def test_prompt_above_the_largest_bucket_runs_eagerly(ckpt: Path) -> None:
 def test_device_cache_prefill_replays_equal_eager_prefill(ckpt: Path) -> None:
     """Experts offloaded with the device cache (slots resolved on the device): prefill graphs
     qualify; the pads' experts are resolved too (extra fills, counted by the device cache)."""
-    if not graphs_apply(ckpt):
+    if not prefill_graphs_apply(ckpt):
         pytest.skip("no CUDA graphs for this family (per-expert loop or recurrent state)")
     eager = _llm(ckpt, expert_budget="50%", prefill_graphs=False, **DEVICE_CACHE)
     llm = _llm(ckpt, expert_budget="50%", **DEVICE_CACHE)
@@ -129,7 +129,7 @@ def test_device_cache_prefill_replays_equal_eager_prefill(ckpt: Path) -> None:
 def test_overridden_routing_is_staged_for_prefill_replays(ckpt: Path) -> None:
     """The bench's routing override: each replay stages the prompt's own draw (pads get fixed
     ids), so tokens equal eager prefill's, which draws per call."""
-    if not graphs_apply(ckpt):
+    if not prefill_graphs_apply(ckpt):
         pytest.skip("no CUDA graphs for this family (per-expert loop or recurrent state)")
     from moetier.bench.routing_override import UniformRouting, install
 
@@ -164,7 +164,7 @@ def test_captured_prefill_attention_runs_flash(ckpt: Path) -> None:
     (a fresh prompt's attention is `is_causal`, no mask, inside the graph as in eager)."""
     from moetier.layers.attention import Attention
 
-    if not graphs_apply(ckpt):
+    if not prefill_graphs_apply(ckpt):
         pytest.skip("no CUDA graphs for this family (per-expert loop or recurrent state)")
     kw = dict(expert_budget=None, device="cuda", dtype="bfloat16", progress=False)
     eager = LLM(str(ckpt), prefill_graphs=False, **kw)

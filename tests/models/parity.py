@@ -133,21 +133,32 @@ def recurrent_state(path: Path) -> bool:
 
 
 def graphs_off(path: Path) -> bool:
-    """Whether the engine captures no CUDA graphs for this checkpoint at all: recurrent state,
-    or a family whose forward reads host values a graph would fix (models/registry.py
-    `no_graphs`: DeepSeek-V4's attention)."""
+    """Whether the engine captures no decode CUDA graphs for this checkpoint at all: a family
+    whose forward reads host values a graph would fix (models/registry.py `no_graphs`:
+    DeepSeek-V4's attention). Hybrid models' decode graphs take their state slots as inputs."""
     from moetier.models.registry import FAMILIES as REGISTRY
     from moetier.models.registry import supported_architectures
 
     supported_architectures()  # imports every family module, which registers it
     archs = json.loads((path / "config.json").read_text()).get("architectures") or []
-    return recurrent_state(path) or any(REGISTRY[a].no_graphs for a in archs if a in REGISTRY)
+    return any(REGISTRY[a].no_graphs for a in archs if a in REGISTRY)
 
 
 def graphs_apply(path: Path) -> bool:
     """Whether decode steps of this checkpoint can replay as CUDA graphs (engine/graphs.py):
     a MoE kernel computes its experts and the engine captures graphs for it (`graphs_off`)."""
     return moe_kernels_apply(path) and not graphs_off(path)
+
+
+def prefill_graphs_off(path: Path) -> bool:
+    """Whether prefill runs eagerly for this checkpoint: no decode graphs, or recurrent state
+    (prefill graphs have no state-slot inputs)."""
+    return graphs_off(path) or recurrent_state(path)
+
+
+def prefill_graphs_apply(path: Path) -> bool:
+    """Whether a fresh prompt's prefill can replay as a CUDA graph (engine/prefill_graphs.py)."""
+    return moe_kernels_apply(path) and not prefill_graphs_off(path)
 
 
 def min_budget(path: Path, dtype_bytes: int = 4) -> str:

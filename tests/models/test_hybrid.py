@@ -18,7 +18,7 @@ from moetier.config import SchedulerConfig
 from moetier.core import Request, SamplingParams
 from moetier.engine.block_manager import BlockManager
 from moetier.engine.scheduler import Scheduler
-from moetier.engine.state_cache import StateSlots
+from moetier.engine.state_cache import LayerState, RecurrentStateCache, StateSlots
 from moetier.errors import UnsupportedModelError
 from moetier.layers import gated_deltanet as gdn
 from tests.models.families import FAMILIES
@@ -246,6 +246,29 @@ def test_state_slots_lowest_first_and_checked() -> None:
     slots.free_slots.append(0)  # a held slot listed free
     with pytest.raises(AssertionError, match="held state slot is free"):
         slots.check_integrity()
+
+
+def test_state_save_restore_and_zero_touch_only_their_slots() -> None:
+    """What a decode graph's capture relies on (engine/graphs.py): `save` copies the batch's
+    states, a warm-up forward advances them, `restore` puts them back exactly; other slots are
+    never touched. `zero` clears only the slots it is given."""
+    cache = RecurrentStateCache(
+        {0: LayerState((3, 2), (2, 2, 2)), 2: LayerState((3, 2), (2, 2, 2))}, 4,
+        torch.device("cpu"), torch.bfloat16,
+    )  # fmt: skip
+    for layer in (0, 2):
+        cache.conv(layer).copy_(torch.randn(4, 3, 2))
+        cache.recurrent(layer).copy_(torch.randn(4, 2, 2, 2))
+    before = [t.clone() for t in cache._pools()]
+    saved = cache.save(torch.tensor([2, 0]))
+    for t in cache._pools():  # the warm-up advances slots 2 and 0
+        t[[0, 2]] += 1
+    cache.restore(saved)
+    assert all(torch.equal(a, b) for a, b in zip(cache._pools(), before))
+    cache.zero([1, 3])
+    for a, b in zip(cache._pools(), before):
+        assert torch.equal(a[[0, 2]], b[[0, 2]]) and not a[[1, 3]].any()
+    cache.zero([])  # nothing to clear: no op
 
 
 def test_scheduler_takes_slots_at_admission_and_frees_them() -> None:

@@ -22,10 +22,14 @@ slots).
 
 Graphs are keyed by (batch size, history width in KV blocks, rounded up to a power of two) and
 captured on first use: per step the host does one small copy of token ids, lengths and block
-tables. Anything else (a capture that fails, prefill but for a fresh prompt's, which
-engine/prefill_graphs.py replays) runs eagerly, unchanged. A router fed from
-the host (the bench's routing override) is staged before each replay: its ids for this step go
-into a fixed buffer that the captured forward reads.
+tables (and, for hybrid models, the sequences' recurrent-state slots: the captured Gated DeltaNet
+layers gather and scatter their states by those slot ids on the device). Capture computes the
+step once eagerly first (lazy inits); recurrent states, unlike K/V writes, are not idempotent, so
+the batch's states are saved before that warm-up and restored after it. Anything else (a
+capture that fails, prefill but for a fresh prompt's, which engine/prefill_graphs.py replays)
+runs eagerly, unchanged. A router fed from the host (the bench's routing override) is staged
+before each replay: its ids for this step go into a fixed buffer that the captured forward
+reads.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Graph:
     graphs: list[torch.cuda.CUDAGraph]  # one (whole) or one per MoE layer + 1 (piecewise)
-    inputs: torch.Tensor  # [B * (2 + W)] int64: token ids, lengths, block tables (row-major)
+    # [B * (2 + S + W)] int64: token ids, lengths, state slots (S = 1 for hybrid models, else
+    # 0), block tables (row-major)
+    inputs: torch.Tensor
     logits: torch.Tensor  # [B, V] float32, written by every replay
     # piecewise only, per MoE layer call in forward order:
     blocks: list[Any] = field(default_factory=list)
@@ -134,6 +140,7 @@ class DecodeGraphs:
         self.top_k = runner.top_k
         self.gates: tuple[tuple[int, bool], ...] = ()  # graph_key of the captured graphs
         self.staged: list[Any] = []  # those routers that are fed from the host (`stage`)
+        self.states = runner.state_cache  # hybrid models' recurrent-state pools, else None
 
     @property
     def offloaded(self) -> bool:
@@ -178,6 +185,18 @@ class DecodeGraphs:
             return None
         ids = [s.request.all_token_ids[s.request.num_computed_tokens] for s in batch.scheduled]
         flat = ids + lens
+        if self.states is not None:
+            rids = [s.request.request_id for s in batch.scheduled]
+            state_slots = [self.states.slots.assign(r) for r in rids]
+            # a one-token prompt's first step is a decode step too: its states start at zero
+            self.states.zero(
+                [
+                    q
+                    for q, s in zip(state_slots, batch.scheduled)
+                    if s.request.num_computed_tokens == 0
+                ]
+            )
+            flat += state_slots
         for t in tables:
             flat.extend(t[: key[1]] + [0] * (key[1] - len(t[: key[1]])))
         host = torch.tensor(flat, dtype=torch.long)
@@ -244,7 +263,9 @@ class DecodeGraphs:
         kv = self.runner.kv_cache
         bs = kv.blocks.block_size
         ids, lens = inputs[:b], inputs[b : 2 * b]
-        table = inputs[2 * b :].view(b, w)  # [B, W]
+        hybrid = self.states is not None
+        state_slots = inputs[2 * b : 3 * b] if hybrid else None
+        table = inputs[(3 if hybrid else 2) * b :].view(b, w)  # [B, W]
         pos = lens - 1  # [B]
         slot_mapping = table.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs  # [B]
         offs = torch.arange(bs, device=inputs.device)
@@ -257,10 +278,12 @@ class DecodeGraphs:
             decode_mask=mask[:, None, None, :],
             decode_spans=tuple(range(b)),
             span_slots={},
+            decode_state_slots=state_slots,
         )
         # Spans only tell attention that every row is a one-token decode row.
         spans = [SeqSpan(-1 - i, i, i + 1, 0) for i in range(b)]
-        hidden = self.runner.model(ids, ForwardContext(spans, pos, kv, meta))  # [B, D]
+        ctx = ForwardContext(spans, pos, kv, meta, states=self.states)
+        hidden = self.runner.model(ids, ctx)  # [B, D]
         return self.runner.model.compute_logits(hidden)  # [B, V]
 
     def _capture(self, key: tuple[int, int], host: torch.Tensor) -> _Graph | None:
@@ -278,11 +301,14 @@ class DecodeGraphs:
             # Warm-up on a side stream (lazy inits, autotuning), as capture requires; it computes
             # this very step eagerly (fetching what it misses), so the K/V it writes are the
             # ones the replay writes again.
+            saved = None if self.states is None else self.states.save(inputs[2 * b : 3 * b])
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 self._forward(inputs, b, w)
             torch.cuda.current_stream(device).wait_stream(side)
+            if saved is not None:  # the replay (or the eager step) advances them once
+                self.states.restore(saved)
             warm = 0 if cached is None else cached.mark()
             with self.runner.expert_cache.quiet():  # no prefetch thread CUDA call in capture
                 if splitter is None:

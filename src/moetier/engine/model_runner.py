@@ -276,15 +276,19 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_dir)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs is not False:
-            # The captured decode forward has no state-slot inputs, nor the host lengths some
-            # families' layers read (Family.no_graphs): not graph-safe.
-            why = "recurrent-state layers" if self.state_cache is not None else family.no_graphs
-            if why is not None:
-                log.info("CUDA graphs are off for %s (%s)", family.name, why)
+            # The captured decode forward reads no host lengths, which some families' layers
+            # need (Family.no_graphs): not graph-safe for them.
+            if family.no_graphs is not None:
+                log.info("CUDA graphs are off for %s (%s)", family.name, family.no_graphs)
             else:
                 self.graphs = DecodeGraphs(self, piecewise=config.piecewise_graphs is not False)
         self.prefill_graphs: PrefillGraphs | None = None
-        if self.graphs is not None and config.prefill_graphs is not False:
+        # Prefill graphs have no state-slot inputs: hybrid models prefill eagerly.
+        if (
+            self.graphs is not None
+            and config.prefill_graphs is not False
+            and self.state_cache is None
+        ):
             self.prefill_graphs = PrefillGraphs(self, config.prefill_graph_max_tokens)
 
     def _split_memory(

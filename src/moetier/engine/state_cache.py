@@ -136,11 +136,7 @@ class RecurrentStateCache:
         hold none (a forward outside the scheduler, e.g. `LLM.prompt_logits`), zeroes the
         states of sequences starting at token 0 and sets the step's slot indexes."""
         slots = tuple(self.slots.assign(seq) for seq, _, _ in spans)
-        fresh = [slot for slot, (_, past, _) in zip(slots, spans) if past == 0]
-        if fresh:
-            index = torch.tensor(fresh, dtype=torch.long).to(self.device, non_blocking=True)
-            for pool in (*self._conv.values(), *self._recurrent.values()):
-                pool.index_fill_(0, index, 0)
+        self.zero([slot for slot, (_, past, _) in zip(slots, spans) if past == 0])
         kv_batch.state_slots = slots
         if kv_batch.decode_spans:
             decode = [slots[i] for i in kv_batch.decode_spans]
@@ -150,6 +146,26 @@ class RecurrentStateCache:
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)
+
+    def _pools(self) -> tuple[torch.Tensor, ...]:
+        return (*self._conv.values(), *self._recurrent.values())
+
+    def zero(self, slots: list[int]) -> None:
+        """Zero every layer's states of these slots (sequences starting at token 0)."""
+        if slots:
+            index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+            for pool in self._pools():
+                pool.index_fill_(0, index, 0)
+
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A copy of every layer's states of `slots` [B] (int64, on the device), for `restore`:
+        a CUDA graph capture's warm-up forward advances them once more than the step does."""
+        return slots.clone(), [pool[slots] for pool in self._pools()]
+
+    def restore(self, saved: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        slots, copies = saved
+        for pool, copy in zip(self._pools(), copies):
+            pool.index_copy_(0, slots, copy)
 
 
 def build_state_cache(
