@@ -122,8 +122,20 @@ class OffloadConfig:
     # experts fit the slot pool, the host tier holds every expert and the expert kernels take
     # the model's experts (else a start-up error); off until the ship gate measures it.
     device_cache: bool = False
+    # Streamed steps (layer streaming, `moe_stream_share`: long prefills, big batches) evict in
+    # the step's next-use order (offload/step_aware.py): layers finished in the step first, the
+    # one just finished first, then layers ahead, the farthest first. Such a step touches nearly
+    # every expert of every layer in layer order, so this is Belady's rule there, where LRU
+    # evicts the layers ahead (loaded longest ago) that are needed soonest (48 x 128 experts at
+    # 25%: 6,144 -> 4,864 loads a 2,048-token step, bench/results/2026-12-06-step-aware-
+    # eviction.md). Steps that do not stream use `policy` alone, exactly as with it off.
+    stream_eviction: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stream_eviction, bool):
+            raise ConfigError(
+                f"stream_eviction must be True or False, got {self.stream_eviction!r}"
+            )
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
         _at_least_1("transfer_chunk_bytes", self.transfer_chunk_bytes, "bytes per prefetch copy")
         _at_least_1("io_threads", self.io_threads, "disk read threads")
