@@ -30,3 +30,26 @@ def test_only_wide_calls_stream(ckpt: Path) -> None:
     # a share above what any call of these prompts reaches: nothing streams
     stats = check_parity(ckpt, "75%", moe_stream_share=1.01, prompts=PROMPTS[:1])
     assert stats["streamed_calls"] == 0
+
+
+@pytest.fixture(scope="module")
+def deep_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 5 MoE layers of 8 experts (layer 0 is dense): at 50% (20 slots) a streamed step's
+    # working set (40) is twice the pool, where the eviction order decides the loads
+    family = FAMILIES["qwen3_moe"]
+    path = tmp_path_factory.mktemp("qwen3_moe_deep")
+    return family.checkpoint(path, seed=4, num_hidden_layers=6)
+
+
+def test_stream_eviction_keeps_parity_and_loads_no_more(deep_ckpt: Path) -> None:
+    """stream_eviction on and off: greedy tokens equal transformers' both ways (check_parity),
+    with prompts streaming (a share of 0.6: 5 of 8 experts; a decode token's 4 do not), and
+    the step order loads fewer experts (misses plus prefetches, exact on the CPU)."""
+    loads = {}
+    for on in (True, False):
+        s = check_parity(deep_ckpt, "50%", moe_stream_share=0.6, late_reads=False,
+                         stream_eviction=on)  # fmt: skip
+        assert s["streamed_calls"] > 0
+        loads[on] = int(s["requests"] - s["device_hits"] + s["prefetches_issued"])
+    assert loads[True] <= loads[False]
+    assert loads == {True: 1076, False: 1346}

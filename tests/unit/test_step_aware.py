@@ -77,9 +77,7 @@ def test_switch_wraps_only_streamed_calls_and_decode_keeps_the_base_order() -> N
 def _records(steps: int, layers: int, experts: int) -> list[TraceRecord]:
     """Every call touches all of its layer's experts (a long prompt), two per token."""
     rows = [[e, e + 1] for e in range(0, experts, 2)]
-    return [
-        TraceRecord(s, la, [0] * len(rows), rows) for s in range(steps) for la in range(layers)
-    ]
+    return [TraceRecord(s, la, [0] * len(rows), rows) for s in range(steps) for la in range(layers)]
 
 
 def test_streamed_replay_exact_loads_vs_lru_and_belady() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moetier.bench.trace import TraceRecord
 from moetier.offload.policy import Policy
@@ -26,6 +26,7 @@ Key = tuple[int, int]  # (layer, expert)
 class BeladyResult:
     requests: int  # expert lookups (distinct experts per layer call), counted steps only
     misses: int  # loads into a slot, counted steps only
+    step_misses: dict[int, int] = field(default_factory=dict)  # step -> its misses (counted)
 
     @property
     def hit_rate(self) -> float:
@@ -72,6 +73,7 @@ def belady(
         resident[k] = upcoming.get(k, inf)
         heapq.heappush(heap, (-resident[k], k))
     requests = misses = 0
+    per_step: dict[int, int] = {}
     for i, (step, keys) in enumerate(sched):
         counted = counted_steps is None or step in counted_steps
         requests += len(keys) if counted else 0
@@ -81,13 +83,14 @@ def belady(
                 continue
             if counted:
                 misses += 1
+                per_step[step] = per_step.get(step, 0) + 1
             if len(resident) >= num_slots:
                 _evict(resident, heap, in_wave)
             resident[k] = i  # placeholder; set to its next use below
         for k, nxt in zip(keys, next_use[i]):
             resident[k] = nxt
             heapq.heappush(heap, (-nxt, k))
-    return BeladyResult(requests, misses)
+    return BeladyResult(requests, misses, per_step)
 
 
 def _evict(resident: dict[Key, int], heap: list[tuple[int, Key]], in_wave: set[Key]) -> None:

@@ -103,8 +103,10 @@ class Streaming:
     eviction: bool = True
 
     def wide(self, distinct: int, num_slots: int) -> bool:
-        return 0 < distinct <= num_slots and self.share > 0 and distinct >= (
-            self.share * self.num_experts
+        return (
+            0 < distinct <= num_slots
+            and self.share > 0
+            and distinct >= (self.share * self.num_experts)
         )
 
     def next_layer(self, layer: int) -> int | None:
@@ -389,13 +391,21 @@ def format_predictors(
 # step-aware wrapper (`stream_eviction`), beside Belady.
 
 
-def routing_trace(spec: str, layers: int | None, steps: int, prompt_len: int, seed: int = 0
-                  ) -> tuple[RoutingTrace, str]:  # fmt: skip
-    """`steps` prefill steps of `prompt_len` tokens over `layers` MoE layers (0 .. L-1), as
-    `moetier bench latency --routing ...` feeds a model (bench/routing_override.py): `spec` is
+def routing_trace(
+    spec: str,
+    layers: int | None,
+    prompts: int,
+    prompt_len: int,
+    seed: int = 0,
+    output_len: int = 0,
+) -> tuple[RoutingTrace, str]:
+    """`prompts` prompts one after the other, each a prefill step of `prompt_len` tokens then
+    `output_len` decode steps of one token, over `layers` MoE layers (0 .. L-1), routed as
+    `moetier bench latency --routing ...` routes a model (bench/routing_override.py): `spec` is
     `uniform:EXK` (seeded uniform top-K of E per token) or a trace file, whose layers are
     cycled onto the L layers and whose per-layer rows are consumed in order, T per call
-    (`layers` None: the trace's depth). Returns the trace and a label."""
+    (`layers` None: the trace's depth). Prompt p's prefill is step p * (1 + output_len).
+    Returns the trace and a label."""
     from moetier.bench.routing_override import RoutingSource, TraceRouting, UniformRouting
 
     source: RoutingSource
@@ -403,7 +413,8 @@ def routing_trace(spec: str, layers: int | None, steps: int, prompt_len: int, se
         try:
             e, k = (int(x) for x in spec.split(":", 1)[1].lower().split("x"))
         except ValueError:
-            raise ConfigError(f"uniform routing is written uniform:EXK (e.g. 128x8), not {spec}")
+            msg = f"uniform routing is written uniform:EXK (e.g. 128x8), not {spec}"
+            raise ConfigError(msg) from None
         source, expert_bytes, depth = UniformRouting(e, k, seed), 0, layers or 1
         label = f"uniform top-{k} of {e} (seed {seed})"
     else:
@@ -412,11 +423,13 @@ def routing_trace(spec: str, layers: int | None, steps: int, prompt_len: int, se
         source, depth = TraceRouting(base, e, k, spec), layers or len(base.header.moe_layers)
         label = f"trace {spec} (its layers cycled onto {depth})"
     header = TraceHeader(depth, e, k, list(range(depth)), expert_bytes)
-    records = [
-        TraceRecord(step, layer, [0] * prompt_len, source.ids(layer, prompt_len).tolist())
-        for step in range(steps)
-        for layer in range(depth)
-    ]
+    records = []
+    for p in range(prompts):
+        for j in range(1 + output_len):
+            step, tokens = p * (1 + output_len) + j, prompt_len if j == 0 else 1
+            for layer in range(depth):
+                rows = source.ids(layer, tokens).tolist()
+                records.append(TraceRecord(step, layer, [p] * tokens, rows))
     return RoutingTrace(header, records), label
 
 
@@ -425,57 +438,97 @@ class StreamedReplay:
     slots: int
     streamed_calls: int  # calls that stream (the same for every policy: routing decides)
     calls: int
+    prefills: list[int]  # each prompt's prefill step; the steps up to the next are its decode
     rows: dict[str, dict[int, int]]  # name -> step -> slot loads (misses + prefetches)
 
 
 def replay_streamed(
     trace: RoutingTrace, budget: str | int | None, policies: Sequence[str], share: float
 ) -> StreamedReplay:
-    """Slot loads per step with layer streaming at `share`: a floor (each step's distinct keys
-    less the slots; all of step 0's, from cold), Belady on demand loads (a lower bound for any
-    schedule, prefetching or not), Belady's rule under the engine's streaming, and each policy
-    without and with `stream_eviction` (`step-lru` is always step-aware: once)."""
+    """Slot loads per step with layer streaming at `share` (a prompt's prefill step is the first
+    of its steps, each with one record per layer; `routing_trace`): a floor for prefill steps
+    (the step's distinct keys less the slots; all of them from cold), Belady on demand loads (a
+    lower bound for any schedule, prefetching or not), Belady's rule under the engine's
+    streaming, and each policy without and with `stream_eviction` (`step-lru` is always
+    step-aware: once)."""
     h = trace.header
     records = trace.records
     slots = slots_for_budget(h, budget)
     keys = all_keys(h)
     initial = keys if slots >= len(keys) else []
-    steps = trace.steps()
-    stream = Streaming(share, h.num_experts, h.moe_layers, eviction=False)
+    prefills = _prefill_steps(records)
     rows: dict[str, dict[int, int]] = {}
-    first = steps[0] if steps else 0
-    for s in steps:
+    floor = rows.setdefault("floor: step keys - slots", {})
+    for n, s in enumerate(prefills):
         distinct = len({(r.layer, e) for r in records if r.step == s for e in r.distinct()})
-        loads = distinct if s == first and not initial else max(0, distinct - slots)
-        rows.setdefault("floor: step keys - slots", {})[s] = loads
-        rows.setdefault("belady, demand (bound)", {})[s] = belady(records, slots, {s}, initial).misses
+        floor[s] = distinct if n == 0 and not initial else max(0, distinct - slots)
+    rows["belady, demand (bound)"] = belady(records, slots, initial=initial).step_misses
+    stream = Streaming(share, h.num_experts, h.moe_layers, eviction=False)
     oracle = BeladyPolicy(records, slots)
-    rows["belady rule, streamed"] = simulate(records, slots, oracle, initial, streaming=stream).step_loads
+    rows["belady rule, streamed"] = simulate(
+        records, slots, oracle, initial, streaming=stream
+    ).step_loads
     for name in policies:
         for eviction in (False,) if name == "step-lru" else (False, True):
             run = Streaming(share, h.num_experts, h.moe_layers, eviction=eviction)
             label = f"{name} + stream_eviction" if eviction else name
-            rows[label] = simulate(records, slots, make_policy(name), initial, streaming=run).step_loads
+            result = simulate(records, slots, make_policy(name), initial, streaming=run)
+            rows[label] = result.step_loads
     wide = sum(stream.wide(len(r.distinct()), slots) for r in records)
-    return StreamedReplay(slots, wide, len(records), rows)
+    return StreamedReplay(slots, wide, len(records), prefills, rows)
+
+
+def _prefill_steps(records: Sequence[TraceRecord]) -> list[int]:
+    """Steps whose calls have more than one token, or the first step (`routing_trace`'s
+    prompts: each prompt's prefill, then its one-token decode steps)."""
+    steps = sorted({r.step for r in records})
+    wide = {r.step for r in records if len(r.experts) > 1}
+    return [s for i, s in enumerate(steps) if s in wide or i == 0]
+
+
+def streamed_json(result: StreamedReplay) -> dict[str, object]:
+    return {
+        "slots": result.slots,
+        "streamed_calls": result.streamed_calls,
+        "calls": result.calls,
+        "prefill_steps": result.prefills,
+        "loads": {name: {str(s): n for s, n in per.items()} for name, per in result.rows.items()},
+    }
 
 
 def format_streamed(label: str, trace: RoutingTrace, budget: str, share: float,
                     result: StreamedReplay) -> str:  # fmt: skip
+    """Per policy: each prompt's prefill loads, their mean from the second prompt on (warm),
+    and the mean decode loads per warm prompt when there are decode steps."""
     h = trace.header
     steps = trace.steps()
     total = len(h.moe_layers) * h.num_experts
+    pre = result.prefills
     tokens = len(trace.records[0].experts) if trace.records else 0
+    decode = len(steps) - len(pre)
+    ends = pre[1:] + [max(steps, default=0) + 1]
     lines = [
-        f"streamed prefill replay: {len(h.moe_layers)} MoE layers x {h.num_experts} experts, "
-        f"top-{h.top_k}; {len(steps)} steps of {tokens} tokens; routing: {label}",
+        f"streamed replay: {len(h.moe_layers)} MoE layers x {h.num_experts} experts, "
+        f"top-{h.top_k}; {len(pre)} prompts of {tokens} tokens"
+        + (f", {decode // max(len(pre), 1)} decode steps each" if decode else "")
+        + f"; routing: {label}",
         f"expert budget {budget}: {result.slots} of {total} expert slots (one global pool); "
         f"stream share {share}: {result.streamed_calls} of {result.calls} calls stream",
-        "slot loads per step (demand misses + streamed prefetches); warm = mean of steps 1..",
-        f"{'':<34}" + "".join(f"{'step ' + str(s):>9}" for s in steps) + f"{'warm':>9}",
+        "slot loads (demand misses + streamed prefetches) of each prompt's prefill step; warm ="
+        " mean over prompts 1..; decode = mean loads of a warm prompt's decode steps",
+        f"{'':<32}"
+        + "".join(f"{'p' + str(n):>7}" for n in range(len(pre)))
+        + f"{'warm':>9}"
+        + (f"{'decode':>9}" if decode else ""),
     ]
     for name, per in result.rows.items():
-        warm = [per.get(s, 0) for s in steps[1:]]
-        mean = f"{sum(warm) / len(warm):>9.1f}" if warm else f"{'':>9}"
-        lines.append(f"{name:<34}" + "".join(f"{per.get(s, 0):>9}" for s in steps) + mean)
+        warm = [per.get(s, 0) for s in pre[1:]]
+        line = f"{name:<32}" + "".join(f"{per.get(s, 0):>7}" for s in pre)
+        line += f"{sum(warm) / len(warm):>9.1f}" if warm else f"{'':>9}"
+        if decode and name.startswith("floor"):
+            line += f"{'-':>9}"
+        elif decode:
+            dec = [sum(per.get(t, 0) for t in range(s + 1, e)) for s, e in zip(pre[1:], ends[1:])]
+            line += f"{sum(dec) / len(dec):>9.1f}" if dec else f"{'':>9}"
+        lines.append(line)
     return "\n".join(lines)

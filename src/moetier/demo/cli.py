@@ -86,7 +86,15 @@ def add_demo_parsers(sub: Any) -> None:
         "step of each policy with and without stream_eviction, beside Belady",
     )
     rp.add_argument("--layers", type=int, default=None, help="--prompt-len: MoE layers")
-    rp.add_argument("--steps", type=int, default=4, help="--prompt-len: steps (default 4)")
+    rp.add_argument(
+        "--steps", type=int, default=4, help="--prompt-len: prompts, one after the other (4)"
+    )
+    rp.add_argument(
+        "--output-len",
+        type=int,
+        default=0,
+        help="--prompt-len: one-token decode steps after each prompt's prefill (default 0)",
+    )
     rp.add_argument(
         "--stream-share",
         type=float,
@@ -176,18 +184,14 @@ def _replay_streamed(args: argparse.Namespace, policies: list[str]) -> int:
 
     if args.prompt_len < 1 or args.steps < 1 or (args.layers is not None and args.layers < 1):
         raise ConfigError("--prompt-len, --steps and --layers must be at least 1")
+    if args.output_len < 0:
+        raise ConfigError("--output-len must not be negative")
     trace, label = rp.routing_trace(
-        args.trace, args.layers, args.steps, args.prompt_len, args.seed
+        args.trace, args.layers, args.steps, args.prompt_len, args.seed, args.output_len
     )
     result = rp.replay_streamed(trace, args.expert_budget, policies, args.stream_share)
     if args.json:
-        out = {
-            "slots": result.slots,
-            "streamed_calls": result.streamed_calls,
-            "calls": result.calls,
-            "loads": {name: {str(s): n for s, n in per.items()} for name, per in result.rows.items()},
-        }
-        print(json.dumps(out))
+        print(json.dumps(rp.streamed_json(result)))
         return 0
     print(rp.format_streamed(label, trace, args.expert_budget, args.stream_share, result))
     return 0
