@@ -155,6 +155,11 @@ DEVICE_CACHE_HELP = (
     "from page-locked host RAM by a kernel, no host sync per layer); needs one layer's experts "
     "to fit the expert budget and the host tier to hold every expert"
 )
+STREAM_EVICTION_HELP = (
+    "streamed steps (long prompts, big batches; layer streaming) evict in the step's next-use "
+    "order around --policy: layers finished in the step first, then the farthest ahead "
+    "(default: on; --no-stream-eviction: --policy alone)"
+)
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "
     "split between expert slots and KV blocks follows its replayed hit-rate curve"

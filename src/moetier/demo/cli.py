@@ -57,7 +57,8 @@ def add_demo_parsers(sub: Any) -> None:
     rp.add_argument(
         "--policy",
         default="lru,lfu",
-        help="comma-separated policies (lru, lfu, lfru, least-stale, layer-lru, activation)",
+        help="comma-separated policies (lru, lfu, lfru, least-stale, layer-lru, activation, "
+        "step-lru)",
     )
     rp.add_argument(
         "--predictor",
