@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import torch
+from tests.models.parity import make_checkpoint
 
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.stats import OffloadStats
 from moetier.offload.store import HostTier
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
-from tests.models.parity import make_checkpoint
 
 LAYERS, EXPERTS, TOP = 24, 32, 4
 REPS = 15  # the minimum over repetitions: robust to other work on a shared machine
