@@ -127,8 +127,8 @@ class OffloadConfig:
     # one just finished first, then layers ahead, the farthest first. Such a step touches nearly
     # every expert of every layer in layer order, so this is Belady's rule there, where LRU
     # evicts the layers ahead (loaded longest ago) that are needed soonest (48 x 128 experts at
-    # 25%: 6,144 -> 4,864 loads a 2,048-token step, bench/results/2026-12-06-step-aware-
-    # eviction.md). Steps that do not stream use `policy` alone, exactly as with it off.
+    # 25%: 6,144 -> 4,608-4,864 loads a 2,048-token step in replay, bench/results/2026-12-06-
+    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off.
     stream_eviction: bool = True
 
     def __post_init__(self) -> None:

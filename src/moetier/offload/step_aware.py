@@ -20,8 +20,8 @@ LRU within a layer. That is one rule, "largest (layer - c) mod (layers), c itsel
 no per-step bookkeeping is needed beyond the current layer. Plain LRU does the opposite: the
 keys loaded longest ago are the layers ahead (loaded during the previous step), exactly the
 ones needed soonest, so a streamed step reloads every expert (bench/results/
-2026-12-06-step-aware-eviction.md: 6,144 loads a step at 25% of a 48 x 128 model, where this
-order loads 4,864 and the demand optimum is 4,706).
+2026-12-06-step-aware-eviction.md, 2,048-token prompts on a 48 x 128 model at 25%: LRU loads
+6,144 a step, this order 4,608-4,864, as does Belady's rule under the same streaming).
 
 Decode steps (not streamed) touch few experts per layer, where the configured policy's
 recency and frequency carry the information; `StreamEviction` leaves them to that policy
