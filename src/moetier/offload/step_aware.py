@@ -21,7 +21,11 @@ no per-step bookkeeping is needed beyond the current layer. Plain LRU does the o
 keys loaded longest ago are the layers ahead (loaded during the previous step), exactly the
 ones needed soonest, so a streamed step reloads every expert (bench/results/
 2026-12-06-step-aware-eviction.md, 2,048-token prompts on a 48 x 128 model at 25%: LRU loads
-6,144 a step, this order 4,608-4,864, as does Belady's rule under the same streaming).
+6,144 a step, this order 4,608-4,864, as does Belady's rule under the same streaming). It
+reaches the one-step floor (4,608) for the first warm steps, then settles at 4,864: the
+streamed prefetch holds two layers' slots, and the resident set drifts until it wraps; a fixed
+per-layer reserve (`layer-lru`) settles at 4,808 but starts there, and overtakes it in
+cumulative loads only after ~23 back-to-back prompts.
 
 Decode steps (not streamed) touch few experts per layer, where the configured policy's
 recency and frequency carry the information; `StreamEviction` leaves them to that policy
