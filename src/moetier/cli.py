@@ -16,6 +16,7 @@ from moetier.config import (
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
+    STREAM_EVICTION_HELP,
     format_bytes,
 )
 from moetier.demo.cli import add_demo_parsers
@@ -47,11 +48,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation)",
+        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, step-lru)",
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")
     p.add_argument("--device-cache", action="store_true", help=DEVICE_CACHE_HELP)
+    p.add_argument(
+        "--stream-eviction",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=STREAM_EVICTION_HELP,
+    )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument(
         "--enable-prefix-caching",
@@ -119,6 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         prefetch_ahead=args.prefetch_ahead,
         device_cache=args.device_cache,
+        stream_eviction=args.stream_eviction,
         seed=args.seed or 0,
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,

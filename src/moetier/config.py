@@ -122,8 +122,20 @@ class OffloadConfig:
     # experts fit the slot pool, the host tier holds every expert and the expert kernels take
     # the model's experts (else a start-up error); off until the ship gate measures it.
     device_cache: bool = False
+    # Streamed steps (layer streaming, `moe_stream_share`: long prefills, big batches) evict in
+    # the step's next-use order (offload/step_aware.py): layers finished in the step first, the
+    # one just finished first, then layers ahead, the farthest first. Such a step touches nearly
+    # every expert of every layer in layer order, so this is Belady's rule there, where LRU
+    # evicts the layers ahead (loaded longest ago) that are needed soonest (48 x 128 experts at
+    # 25%: 6,144 -> 4,608-4,864 loads a 2,048-token step in replay, bench/results/2026-12-06-
+    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off.
+    stream_eviction: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stream_eviction, bool):
+            raise ConfigError(
+                f"stream_eviction must be True or False, got {self.stream_eviction!r}"
+            )
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
         _at_least_1("transfer_chunk_bytes", self.transfer_chunk_bytes, "bytes per prefetch copy")
         _at_least_1("io_threads", self.io_threads, "disk read threads")
@@ -142,6 +154,11 @@ DEVICE_CACHE_HELP = (
     "keep the expert cache's residency, LRU policy and miss fills on the device (misses read "
     "from page-locked host RAM by a kernel, no host sync per layer); needs one layer's experts "
     "to fit the expert budget and the host tier to hold every expert"
+)
+STREAM_EVICTION_HELP = (
+    "streamed steps (long prompts, big batches; layer streaming) evict in the step's next-use "
+    "order around --policy: layers finished in the step first, then the farthest ahead "
+    "(default: on; --no-stream-eviction: --policy alone)"
 )
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "

@@ -125,6 +125,7 @@ class LLM:
         threads: int | None = None,
         late_reads: bool = True,
         device_cache: bool = False,
+        stream_eviction: bool = True,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,
@@ -133,7 +134,9 @@ class LLM:
         """`gpu_memory`: one device budget ("24GiB", "90%") split between non-expert weights, a
         reserve, expert slots and KV blocks (engine/memory_split.py); `routing_trace`: a
         moetier-trace file whose replayed hit rates size that split when `max_num_seqs` is
-        not given (None = 64 sequences, and the split may hold fewer)."""
+        not given (None = 64 sequences, and the split may hold fewer). `stream_eviction`:
+        streamed steps (long prefills, big batches; `moe_stream_share`) evict in the step's
+        next-use order around `policy` (offload/step_aware.py); False = `policy` alone."""
         # Every setting is checked before any work (the demo build, the checkpoint load).
         seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
         scheduler = SchedulerConfig(seqs, max_num_batched_tokens)
@@ -159,6 +162,7 @@ class LLM:
             prefetch_ahead=prefetch_ahead,
             late_reads=late_reads,
             device_cache=device_cache,
+            stream_eviction=stream_eviction,
         )
         if model is None:
             from moetier.demo.builder import ensure_demo_model

@@ -79,3 +79,24 @@ def test_cli_replay_json_on_a_gzip_trace(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["replay", str(path), "--expert-budget", "300"]) == 0
     text = capsys.readouterr().out
     assert "3 of 8 expert slots" in text and "lfu" in text and "-10.0 pt" in text
+
+
+def test_cli_streamed_prefill_replay(capsys: pytest.CaptureFixture) -> None:
+    """--prompt-len: prompts of 64 tokens (uniform top-2 of 8: every expert touched) through 6
+    layers at 50% (3 layers of slots), each call streaming the next layer: LRU reloads every
+    expert each prompt; stream_eviction makes Belady's choices under the same streaming."""
+    args = ["replay", "uniform:8x2", "--prompt-len", "64", "--layers", "6", "--steps", "4"]
+    assert main([*args, "--expert-budget", "50%", "--policy", "lru", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["slots"], out["streamed_calls"], out["calls"]) == (24, 24, 24)
+    loads = {name: list(per.values()) for name, per in out["loads"].items()}
+    assert loads == {
+        "floor: step keys - slots": [48, 24, 24, 24],
+        "belady, demand (bound)": [48, 24, 24, 32],
+        "belady rule, streamed": [48, 32, 40, 32],
+        "lru": [48, 48, 48, 48],
+        "lru + stream_eviction": [48, 32, 40, 32],
+    }
+    assert main([*args[:-1], "3", "--output-len", "2", "--expert-budget", "50%"]) == 0
+    text = capsys.readouterr().out
+    assert "3 prompts of 64 tokens, 2 decode steps each" in text and "decode" in text

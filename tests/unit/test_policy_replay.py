@@ -54,6 +54,8 @@ def test_pool_smaller_than_a_step_lru_thrashes_layer_aware_policies_match_belady
         "lfru": (3, [(1, 0), (2, 0), (1, 0), (2, 0), (1, 0), (2, 0), (1, 0)]),
         "lfu": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
         "lru": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
+        # the step's next-use order: the layer just finished first (Belady's choices here)
+        "step-lru": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
     }
 
 
@@ -63,7 +65,7 @@ SEQUENCE = _records([(0, [e]) for e in [0, 0, 0, 1, 2, 3, 0, 2, 1, 3]])
 
 def test_single_layer_sequence_exact_hits() -> None:
     hits = {name: simulate(SEQUENCE, 3, make_policy(name)).hits for name in sorted(POLICIES)}
-    # one layer: least-stale and layer-lru are LRU; lfru keeps the thrice-used 0 like LFU;
+    # one layer: least-stale, layer-lru and step-lru are LRU; lfru keeps the thrice-used 0 like LFU;
     # activation learns that the reused key comes back and reaches Belady's 5
     assert hits == {
         "activation": 5,
@@ -72,6 +74,7 @@ def test_single_layer_sequence_exact_hits() -> None:
         "lfru": 4,
         "lfu": 4,
         "lru": 3,
+        "step-lru": 3,  # one layer: LRU
     }
 
 

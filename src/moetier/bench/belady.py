@@ -12,10 +12,12 @@ rule is optimal for that problem too (tests check it against brute force).
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moetier.bench.trace import TraceRecord
+from moetier.offload.policy import Policy
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -24,6 +26,7 @@ Key = tuple[int, int]  # (layer, expert)
 class BeladyResult:
     requests: int  # expert lookups (distinct experts per layer call), counted steps only
     misses: int  # loads into a slot, counted steps only
+    step_misses: dict[int, int] = field(default_factory=dict)  # step -> its misses (counted)
 
     @property
     def hit_rate(self) -> float:
@@ -70,6 +73,7 @@ def belady(
         resident[k] = upcoming.get(k, inf)
         heapq.heappush(heap, (-resident[k], k))
     requests = misses = 0
+    per_step: dict[int, int] = {}
     for i, (step, keys) in enumerate(sched):
         counted = counted_steps is None or step in counted_steps
         requests += len(keys) if counted else 0
@@ -79,13 +83,14 @@ def belady(
                 continue
             if counted:
                 misses += 1
+                per_step[step] = per_step.get(step, 0) + 1
             if len(resident) >= num_slots:
                 _evict(resident, heap, in_wave)
             resident[k] = i  # placeholder; set to its next use below
         for k, nxt in zip(keys, next_use[i]):
             resident[k] = nxt
             heapq.heappush(heap, (-nxt, k))
-    return BeladyResult(requests, misses)
+    return BeladyResult(requests, misses, per_step)
 
 
 def _evict(resident: dict[Key, int], heap: list[tuple[int, Key]], in_wave: set[Key]) -> None:
@@ -104,3 +109,73 @@ def _evict(resident: dict[Key, int], heap: list[tuple[int, Key]], in_wave: set[K
         raise AssertionError("no evictable slot: a wave is larger than the pool")
     for item in held:
         heapq.heappush(heap, item)
+
+
+class BeladyPolicy(Policy):
+    """Belady's rule as a policy, for `replay.simulate`: the victim is the resident key whose
+    next use (wave index, `waves(records, num_slots)`) is farthest, never used again first.
+
+    It knows the future: it must be replayed on exactly the records it was built from, one
+    `begin_call` per wave in order (as `simulate` calls it). On demand loads alone it makes
+    `belady`'s choices; with prefetches (a streamed next layer) its victims are still the
+    farthest next uses, the rule an oracle would follow under the engine's streaming -- not a
+    proven minimum then: `belady` (demand loads, no pinning by prefetch) bounds every schedule
+    from below. Lazy max-heap: O(log n) per operation.
+    """
+
+    def __init__(self, records: Sequence[TraceRecord], num_slots: int) -> None:
+        self._uses: dict[Key, list[int]] = {}
+        for i, (_, keys) in enumerate(waves(records, num_slots)):
+            for k in keys:
+                self._uses.setdefault(k, []).append(i)
+        self._wave = -1
+        self._next: dict[Key, tuple[int, int]] = {}  # resident key -> (next use, tick)
+        self._heap: list[tuple[int, int, Key]] = []  # (-next use, -tick, key)
+        self._tick = 0
+
+    def begin_call(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        requests: Sequence[int] | None = None,
+        routing: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self._wave += 1
+
+    def _push(self, key: Key) -> None:
+        uses = self._uses.get(key, [])
+        j = bisect_right(uses, self._wave)
+        nxt = uses[j] if j < len(uses) else 1 << 62
+        self._tick += 1
+        self._next[key] = (nxt, self._tick)
+        heapq.heappush(self._heap, (-nxt, -self._tick, key))
+
+    def insert(self, key: Key) -> None:
+        self._push(key)
+
+    def touch(self, key: Key) -> None:
+        self._push(key)
+
+    def remove(self, key: Key) -> None:
+        del self._next[key]
+
+    def victim(self, exclude: set | frozenset = frozenset()) -> Key:
+        held = []
+        found = None
+        while self._heap:
+            neg, negtick, k = self._heap[0]
+            if self._next.get(k) != (-neg, -negtick):
+                heapq.heappop(self._heap)
+            elif k in exclude:
+                held.append(heapq.heappop(self._heap))
+            else:
+                found = k
+                break
+        for entry in held:
+            heapq.heappush(self._heap, entry)
+        if found is None:
+            raise RuntimeError("no evictable key: every resident key is in use")
+        return found
+
+    def order(self) -> list[Key]:
+        return sorted(self._next, key=lambda k: (-self._next[k][0], -self._next[k][1]))

@@ -19,15 +19,16 @@ import gzip
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from moetier.bench.belady import belady
+from moetier.bench.belady import BeladyPolicy, belady
 from moetier.bench.trace import RoutingTrace, TraceHeader, TraceRecord, read_trace
 from moetier.config import format_bytes, parse_budget
 from moetier.errors import BudgetError, ConfigError
 from moetier.offload.policy import Policy, make_policy
 from moetier.offload.predict import make_predictor
+from moetier.offload.step_aware import StreamEviction
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -64,6 +65,13 @@ class ReplayResult:
     evictions: list[Key]
     prefetches: int = 0  # keys loaded ahead of their layer's call
     prefetch_used: int = 0  # of those, used by the next call of their layer before eviction
+    streamed: int = 0  # of the prefetches, those of layer streaming
+    step_loads: dict[int, int] = field(default_factory=dict)  # step -> slot loads in it
+
+    @property
+    def loads(self) -> int:
+        """Slot loads: demand misses plus prefetches (streamed ones included)."""
+        return self.requests - self.hits + self.prefetches
 
     @property
     def hit_rate(self) -> float:
@@ -80,6 +88,32 @@ class ReplayResult:
 Prefetch = tuple[int, Sequence[int]]  # (target MoE layer, its predicted experts, best first)
 
 
+@dataclass(frozen=True)
+class Streaming:
+    """Layer streaming as the engine's MoE block does it (`layers/moe.py`): a call whose
+    distinct experts fit the pool at once and number at least `share` x `num_experts` loads
+    every expert of the next MoE layer (`moe_layers` order) not resident once its own are in,
+    never evicting its own keys or the next layer's, stopping at the first load that finds no
+    victim (`ExpertCache.prefetch`). `eviction`: the configured policy is wrapped for such
+    calls as the engine's `stream_eviction` does (`offload/step_aware.py`)."""
+
+    share: float
+    num_experts: int
+    moe_layers: Sequence[int]
+    eviction: bool = True
+
+    def wide(self, distinct: int, num_slots: int) -> bool:
+        return (
+            0 < distinct <= num_slots
+            and self.share > 0
+            and distinct >= (self.share * self.num_experts)
+        )
+
+    def next_layer(self, layer: int) -> int | None:
+        later = [la for la in self.moe_layers if la > layer]
+        return min(later) if later else None
+
+
 def simulate(
     records: Sequence[TraceRecord],
     num_slots: int,
@@ -87,12 +121,14 @@ def simulate(
     initial: Sequence[Key] = (),
     keep_evictions: bool = False,
     prefetch: Sequence[Prefetch | None] | None = None,
+    streaming: Streaming | None = None,
 ) -> ReplayResult:
     """Hits of `policy` on the trace with S slots (engine slot semantics; see module doc).
 
     `prefetch[i]` (optional): after call i, its experts of the target layer not resident are
     loaded, best first (at most S), each evicting the policy's victim outside the prefetched
-    set; a later lookup that finds one counts as a hit (hit rate at use).
+    set; a later lookup that finds one counts as a hit (hit rate at use). `streaming`
+    (optional): layer streaming after that, as the engine does it (`Streaming`).
     """
     if num_slots < 1:
         raise ValueError("need at least one slot")
@@ -103,34 +139,43 @@ def simulate(
     requests = hits = 0
     evictions: list[Key] = []
     fetched: set[Key] = set()  # prefetched keys not yet used
-    prefetches = used = 0
+    prefetches = used = streamed = 0
+    step_loads: dict[int, int] = {}
+    switch = StreamEviction(policy) if streaming is not None and streaming.eviction else None
+    current = policy  # the policy of the current call (the switch may wrap `policy`)
 
     def admit(key: Key, exclude: set[Key]) -> None:
         """Load `key`, evicting the policy's victim outside `exclude` when the pool is full."""
         if len(resident) >= num_slots:
-            victim = policy.victim(exclude=exclude)
-            policy.remove(victim)
+            victim = current.victim(exclude=exclude)
+            current.remove(victim)
             resident.discard(victim)
             fetched.discard(victim)
             if keep_evictions:
                 evictions.append(victim)
         resident.add(key)
-        policy.insert(key)
+        current.insert(key)
 
     for i, rec in enumerate(records):
         experts = rec.distinct()
+        wide = streaming is not None and streaming.wide(len(experts), num_slots)
+        if switch is not None:
+            if wide:
+                switch.streaming(rec.layer)
+            current = switch.call(rec.layer)
+        loads_before = requests - hits + prefetches
         for w0 in range(0, len(experts), num_slots):
             wave = [(rec.layer, e) for e in experts[w0 : w0 + num_slots]]
             if w0 == 0:  # the call's routing by request goes with its first wave
-                policy.begin_call(rec.layer, experts[:num_slots], rec.requests, rec.experts)
+                current.begin_call(rec.layer, experts[:num_slots], rec.requests, rec.experts)
             else:
-                policy.begin_call(rec.layer, experts[w0 : w0 + num_slots])
+                current.begin_call(rec.layer, experts[w0 : w0 + num_slots])
             in_use = set(wave)
             requests += len(wave)
             for key in wave:
                 if key in resident:
                     hits += 1
-                    policy.touch(key)
+                    current.touch(key)
                     if key in fetched:
                         used += 1
                         fetched.discard(key)
@@ -148,7 +193,23 @@ def simulate(
                 admit(key, busy)
                 fetched.add(key)
                 prefetches += 1
-    return ReplayResult(requests, hits, evictions, prefetches, used)
+        nxt = streaming.next_layer(rec.layer) if wide and streaming is not None else None
+        if nxt is not None and streaming is not None:
+            busy = in_use | {(nxt, e) for e in range(streaming.num_experts)}
+            for e in range(streaming.num_experts):
+                key = (nxt, e)
+                if key in resident:
+                    continue
+                try:
+                    admit(key, busy)
+                except RuntimeError:  # every resident key is in use: the engine stops here
+                    break
+                fetched.add(key)
+                prefetches += 1
+                streamed += 1
+        step_loads[rec.step] = step_loads.get(rec.step, 0) + requests - hits + prefetches
+        step_loads[rec.step] -= loads_before
+    return ReplayResult(requests, hits, evictions, prefetches, used, streamed, step_loads)
 
 
 def all_keys(header: TraceHeader) -> list[Key]:
@@ -323,4 +384,151 @@ def format_predictors(
                 f" {used:>6.1%}"
             )
     lines.append(f"(demand only: belady {best:.4f} = {1 - best:.4f} loads/lookup)")
+    return "\n".join(lines)
+
+
+# Streamed prefill steps (layer streaming): loads per step of each policy, with and without the
+# step-aware wrapper (`stream_eviction`), beside Belady.
+
+
+def routing_trace(
+    spec: str,
+    layers: int | None,
+    prompts: int,
+    prompt_len: int,
+    seed: int = 0,
+    output_len: int = 0,
+) -> tuple[RoutingTrace, str]:
+    """`prompts` prompts one after the other, each a prefill step of `prompt_len` tokens then
+    `output_len` decode steps of one token, over `layers` MoE layers (0 .. L-1), routed as
+    `moetier bench latency --routing ...` routes a model (bench/routing_override.py): `spec` is
+    `uniform:EXK` (seeded uniform top-K of E per token) or a trace file, whose layers are
+    cycled onto the L layers and whose per-layer rows are consumed in order, T per call
+    (`layers` None: the trace's depth). Prompt p's prefill is step p * (1 + output_len).
+    Returns the trace and a label."""
+    from moetier.bench.routing_override import RoutingSource, TraceRouting, UniformRouting
+
+    source: RoutingSource
+    if spec.startswith("uniform:"):
+        try:
+            e, k = (int(x) for x in spec.split(":", 1)[1].lower().split("x"))
+        except ValueError:
+            msg = f"uniform routing is written uniform:EXK (e.g. 128x8), not {spec}"
+            raise ConfigError(msg) from None
+        source, expert_bytes, depth = UniformRouting(e, k, seed), 0, layers or 1
+        label = f"uniform top-{k} of {e} (seed {seed})"
+    else:
+        base = load_trace(spec)
+        e, k, expert_bytes = base.header.num_experts, base.header.top_k, base.header.expert_bytes
+        source, depth = TraceRouting(base, e, k, spec), layers or len(base.header.moe_layers)
+        label = f"trace {spec} (its layers cycled onto {depth})"
+    header = TraceHeader(depth, e, k, list(range(depth)), expert_bytes)
+    records = []
+    for p in range(prompts):
+        for j in range(1 + output_len):
+            step, tokens = p * (1 + output_len) + j, prompt_len if j == 0 else 1
+            for layer in range(depth):
+                rows = source.ids(layer, tokens).tolist()
+                records.append(TraceRecord(step, layer, [p] * tokens, rows))
+    return RoutingTrace(header, records), label
+
+
+@dataclass(frozen=True)
+class StreamedReplay:
+    slots: int
+    streamed_calls: int  # calls that stream (the same for every policy: routing decides)
+    calls: int
+    prefills: list[int]  # each prompt's prefill step; the steps up to the next are its decode
+    rows: dict[str, dict[int, int]]  # name -> step -> slot loads (misses + prefetches)
+
+
+def replay_streamed(
+    trace: RoutingTrace, budget: str | int | None, policies: Sequence[str], share: float
+) -> StreamedReplay:
+    """Slot loads per step with layer streaming at `share` (a prompt's prefill step is the first
+    of its steps, each with one record per layer; `routing_trace`): a floor for prefill steps
+    (the step's distinct keys less the slots; all of them from cold), Belady on demand loads (a
+    lower bound for any schedule, prefetching or not), Belady's rule under the engine's
+    streaming, and each policy without and with `stream_eviction` (`step-lru` is always
+    step-aware: once)."""
+    h = trace.header
+    records = trace.records
+    slots = slots_for_budget(h, budget)
+    keys = all_keys(h)
+    initial = keys if slots >= len(keys) else []
+    prefills = _prefill_steps(records)
+    rows: dict[str, dict[int, int]] = {}
+    floor = rows.setdefault("floor: step keys - slots", {})
+    for n, s in enumerate(prefills):
+        distinct = len({(r.layer, e) for r in records if r.step == s for e in r.distinct()})
+        floor[s] = distinct if n == 0 and not initial else max(0, distinct - slots)
+    rows["belady, demand (bound)"] = belady(records, slots, initial=initial).step_misses
+    stream = Streaming(share, h.num_experts, h.moe_layers, eviction=False)
+    oracle = BeladyPolicy(records, slots)
+    rows["belady rule, streamed"] = simulate(
+        records, slots, oracle, initial, streaming=stream
+    ).step_loads
+    for name in policies:
+        for eviction in (False,) if name == "step-lru" else (False, True):
+            run = Streaming(share, h.num_experts, h.moe_layers, eviction=eviction)
+            label = f"{name} + stream_eviction" if eviction else name
+            result = simulate(records, slots, make_policy(name), initial, streaming=run)
+            rows[label] = result.step_loads
+    wide = sum(stream.wide(len(r.distinct()), slots) for r in records)
+    return StreamedReplay(slots, wide, len(records), prefills, rows)
+
+
+def _prefill_steps(records: Sequence[TraceRecord]) -> list[int]:
+    """Steps whose calls have more than one token, or the first step (`routing_trace`'s
+    prompts: each prompt's prefill, then its one-token decode steps)."""
+    steps = sorted({r.step for r in records})
+    wide = {r.step for r in records if len(r.experts) > 1}
+    return [s for i, s in enumerate(steps) if s in wide or i == 0]
+
+
+def streamed_json(result: StreamedReplay) -> dict[str, object]:
+    return {
+        "slots": result.slots,
+        "streamed_calls": result.streamed_calls,
+        "calls": result.calls,
+        "prefill_steps": result.prefills,
+        "loads": {name: {str(s): n for s, n in per.items()} for name, per in result.rows.items()},
+    }
+
+
+def format_streamed(label: str, trace: RoutingTrace, budget: str, share: float,
+                    result: StreamedReplay) -> str:  # fmt: skip
+    """Per policy: each prompt's prefill loads, their mean from the second prompt on (warm),
+    and the mean decode loads per warm prompt when there are decode steps."""
+    h = trace.header
+    steps = trace.steps()
+    total = len(h.moe_layers) * h.num_experts
+    pre = result.prefills
+    tokens = len(trace.records[0].experts) if trace.records else 0
+    decode = len(steps) - len(pre)
+    ends = pre[1:] + [max(steps, default=0) + 1]
+    lines = [
+        f"streamed replay: {len(h.moe_layers)} MoE layers x {h.num_experts} experts, "
+        f"top-{h.top_k}; {len(pre)} prompts of {tokens} tokens"
+        + (f", {decode // max(len(pre), 1)} decode steps each" if decode else "")
+        + f"; routing: {label}",
+        f"expert budget {budget}: {result.slots} of {total} expert slots (one global pool); "
+        f"stream share {share}: {result.streamed_calls} of {result.calls} calls stream",
+        "slot loads (demand misses + streamed prefetches) of each prompt's prefill step; warm ="
+        " mean over prompts 1..; decode = mean loads of a warm prompt's decode steps",
+        f"{'':<32}"
+        + "".join(f"{'p' + str(n):>7}" for n in range(len(pre)))
+        + f"{'warm':>9}"
+        + (f"{'decode':>9}" if decode else ""),
+    ]
+    for name, per in result.rows.items():
+        warm = [per.get(s, 0) for s in pre[1:]]
+        line = f"{name:<32}" + "".join(f"{per.get(s, 0):>7}" for s in pre)
+        line += f"{sum(warm) / len(warm):>9.1f}" if warm else f"{'':>9}"
+        if decode and name.startswith("floor"):
+            line += f"{'-':>9}"
+        elif decode:
+            dec = [sum(per.get(t, 0) for t in range(s + 1, e)) for s, e in zip(pre[1:], ends[1:])]
+            line += f"{sum(dec) / len(dec):>9.1f}" if dec else f"{'':>9}"
+        lines.append(line)
     return "\n".join(lines)

@@ -57,7 +57,8 @@ def add_demo_parsers(sub: Any) -> None:
     rp.add_argument(
         "--policy",
         default="lru,lfu",
-        help="comma-separated policies (lru, lfu, lfru, least-stale, layer-lru, activation)",
+        help="comma-separated policies (lru, lfu, lfru, least-stale, layer-lru, activation, "
+        "step-lru)",
     )
     rp.add_argument(
         "--predictor",
@@ -75,6 +76,34 @@ def add_demo_parsers(sub: Any) -> None:
         action="store_true",
         help='print {"belady": h, "policies": {..}} (plus "predictors": {..} with --predictor)',
     )
+    rp.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="streamed prefill steps instead of the trace's own steps: each step is one prompt "
+        "of N tokens through every layer, routed from FILE as `bench latency --routing "
+        "trace:FILE` does (FILE may be uniform:EXK, e.g. uniform:128x8); prints slot loads per "
+        "step of each policy with and without stream_eviction, beside Belady",
+    )
+    rp.add_argument("--layers", type=int, default=None, help="--prompt-len: MoE layers")
+    rp.add_argument(
+        "--steps", type=int, default=4, help="--prompt-len: prompts, one after the other (4)"
+    )
+    rp.add_argument(
+        "--output-len",
+        type=int,
+        default=0,
+        help="--prompt-len: one-token decode steps after each prompt's prefill (default 0)",
+    )
+    rp.add_argument(
+        "--stream-share",
+        type=float,
+        default=0.9,
+        help="--prompt-len: a call touching this share of its layer's experts streams the next "
+        "layer (moe_stream_share; default 0.9, CUDA's)",
+    )
+    rp.add_argument("--seed", type=int, default=0, help="--prompt-len with uniform: the draws")
     rp.set_defaults(func=cmd_replay)
 
 
@@ -133,6 +162,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     predictors = [p.strip() for p in args.predictor.split(",") if p.strip()]
+    if args.prompt_len is not None:
+        return _replay_streamed(args, policies)
     trace = rp.load_trace(args.trace)
     slots, best, rates = rp.replay(trace, args.expert_budget, policies)
     reports = rp.replay_predictors(trace, args.expert_budget, predictors, policies)
@@ -145,4 +176,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(rp.format_replay(args.trace, trace, args.expert_budget, slots, best, rates))
     if reports:
         print(rp.format_predictors(reports, best, rates))
+    return 0
+
+
+def _replay_streamed(args: argparse.Namespace, policies: list[str]) -> int:
+    from moetier.bench import replay as rp
+    from moetier.errors import ConfigError
+
+    if args.prompt_len < 1 or args.steps < 1 or (args.layers is not None and args.layers < 1):
+        raise ConfigError("--prompt-len, --steps and --layers must be at least 1")
+    if args.output_len < 0:
+        raise ConfigError("--output-len must not be negative")
+    trace, label = rp.routing_trace(
+        args.trace, args.layers, args.steps, args.prompt_len, args.seed, args.output_len
+    )
+    result = rp.replay_streamed(trace, args.expert_budget, policies, args.stream_share)
+    if args.json:
+        print(json.dumps(rp.streamed_json(result)))
+        return 0
+    print(rp.format_streamed(label, trace, args.expert_budget, args.stream_share, result))
     return 0

@@ -213,6 +213,8 @@ class MoEBlock(nn.Module):
         provider.count_routed(len(host_ids), len(experts))
         rows = torch.tensor(host_ids, dtype=torch.long).view(-1, k).sort(dim=-1).values  # [T, K]
         routing = rows.tolist() if provider.wants_routing else None
+        if self._wide(len(experts)):
+            provider.streaming(self.layer)
         batch = provider.fetch(self.layer, experts, routing)
         try:
             self._prefetch(host_ids, hidden, len(experts))
@@ -260,6 +262,8 @@ class MoEBlock(nn.Module):
             if provider.wants_routing
             else None
         )
+        if len(experts) <= provider.max_batch and self._wide(len(experts)):
+            provider.streaming(self.layer)  # one wave: it streams (see `_prefetch`)
         for w0 in range(0, len(experts), provider.max_batch):
             batch = provider.fetch(self.layer, experts[w0 : w0 + provider.max_batch], routing)
             routing = None
@@ -291,11 +295,17 @@ class MoEBlock(nn.Module):
         A call of `distinct` experts streams the next layer (see `stream_share`)."""
         if self.prefetcher is not None:
             self.prefetcher(self.layer, host_ids, hidden)
-        stream = self.stream_share > 0 and self.next_layer is not None
-        if stream and distinct >= self.stream_share * self.num_experts:
+        if self.next_layer is not None and self._wide(distinct):
             provider = self.provider
             assert provider is not None and self.next_layer is not None
             provider.count_streamed(provider.prefetch(self.next_layer, range(self.num_experts)))
+
+    def _wide(self, distinct: int) -> bool:
+        """A call of `distinct` experts (in one wave) belongs to a streamed step: it streams the
+        next layer, and the provider is told before its fetch (`streaming`) so it can evict in
+        the step's order -- the last MoE layer's call too, which has nothing to stream."""
+        share = self.stream_share
+        return share > 0 and distinct > 0 and distinct >= share * self.num_experts
 
     def _wave_loop(
         self,

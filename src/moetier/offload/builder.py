@@ -96,6 +96,7 @@ def build_tiers(
             chunk_bytes=cfg.transfer_chunk_bytes,
             io_threads=cfg.io_threads,
             late_reads=cfg.late_reads,
+            stream_eviction=cfg.stream_eviction,
         )
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)

@@ -32,6 +32,7 @@ from moetier.offload.late_reads import finish_late, go_late, settle_late
 from moetier.offload.policy import make_policy
 from moetier.offload.slots import SlotState, SlotTable
 from moetier.offload.stats import OffloadStats
+from moetier.offload.step_aware import StreamEviction
 from moetier.offload.store import HostTier
 from moetier.offload.transfer import (
     DEFAULT_CHUNK_BYTES,
@@ -77,9 +78,12 @@ class ExpertCache:
         io_threads: int = 2,
         copier: Copier | None = None,
         late_reads: bool = False,
+        stream_eviction: bool = True,
     ) -> None:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
-        pumped on every cache call, one prefetch chunk in flight)."""
+        pumped on every cache call, one prefetch chunk in flight). `stream_eviction`: the calls
+        of streamed steps (announced by `streaming`) pick victims in the step's next-use order
+        (offload/step_aware.py); every other call uses `policy` alone, as without it."""
         self.host = host
         self.packing = host.packing  # slots hold experts as the host rows do (formats.py)
         self.shape = self.packing.shape
@@ -91,8 +95,9 @@ class ExpertCache:
         )
         self.expert_bytes = self.packing.nbytes
         self.table = SlotTable(num_slots)
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy)  # swapped for the step-aware wrapper while streaming
         self.wants_routing = self.policy.wants_routing
+        self._stream = StreamEviction(self.policy) if stream_eviction else None
         # Request id of each token of the current step ([T]), for the policy with a call's
         # routing; set by the model runner before each forward (only when `wants_routing`).
         self.token_requests: list[int] | None = None
@@ -177,6 +182,9 @@ class ExpertCache:
         (a call's first wave): each token's top-k ids, given to the policy with the step's
         `token_requests` (None when they are not this call's tokens)."""
         assert len(experts) <= self.num_slots, "caller must split experts into waves of max_batch"
+        stream = self._stream
+        if stream is not None and (stream.armed is not None or self.policy is not stream.base):
+            self.policy = stream.call(layer)  # decode steps skip this: same policy, no cost
         self._advance()
         if layer != self._last_layer:
             self._drop_stale(self._last_layer)
@@ -222,6 +230,13 @@ class ExpertCache:
         waiter = (lambda slot: finish_late(self, slot)) if late else None
         split = self.packing.splitter(layer)
         return ExpertBatch(layer, experts, wave.slots, self.slots, split, late, waiter)
+
+    def streaming(self, layer: int) -> None:
+        """The next call of `layer` belongs to a streamed step (the MoE block says so before
+        fetching): with `stream_eviction`, that call and what follows it until the next pick
+        victims in the step's next-use order."""
+        if self._stream is not None:
+            self._stream.streaming(layer)
 
     def end_request(self, request_id: int) -> None:
         """The engine is done with `request_id` (finished, aborted or failed): tell the policy."""

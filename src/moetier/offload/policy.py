@@ -19,8 +19,10 @@ working set, and its hit rate falls to 0 there.
 
 `layer-lru` (per-layer slot quotas) lives in `offload/layer_lru.py`; `activation` (learned use
 probabilities from recency, frequency and per-request activation matrices) lives in
-`offload/activation.py` with the matrices it shares with the `activation` predictor. Both build
-on `Policy`, so the registry imports them when asked for.
+`offload/activation.py` with the matrices it shares with the `activation` predictor; `step-lru`
+(victims in a streamed step's next-use order, always on) lives in `offload/step_aware.py`, with
+the wrapper that `stream_eviction` puts around the configured policy for streamed steps only.
+All build on `Policy`, so the registry imports them when asked for.
 """
 
 from __future__ import annotations
@@ -380,6 +382,13 @@ def _layer_lru() -> Policy:
     return LayerLRUPolicy()
 
 
+def _step_lru() -> Policy:
+    # offload/step_aware.py builds on this module (Policy, LRUPolicy), as layer_lru does.
+    from moetier.offload.step_aware import StepAwarePolicy
+
+    return StepAwarePolicy(LRUPolicy(), always=True)
+
+
 def _activation() -> Policy:
     # offload/activation.py builds on this module (Policy), so it is imported when asked for.
     from moetier.offload.activation import ActivationPolicy
@@ -394,6 +403,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "lfru": LFRUPolicy,
     "least-stale": LeastStalePolicy,
     "activation": _activation,
+    "step-lru": _step_lru,
 }
 
 

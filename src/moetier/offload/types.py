@@ -116,6 +116,11 @@ class ExpertProvider(Protocol):
         """Count one layer call that streamed the next MoE layer's experts (`loads` started)."""
         ...
 
+    def streaming(self, layer: int) -> None:
+        """The next call of `layer` belongs to a streamed step (it touches at least the stream
+        share of its experts, in one wave): the provider may evict in the step's order."""
+        ...
+
     def count_routing_sync(self, seconds: float) -> None:
         """Count host time spent waiting for routing ids (the layer's host sync)."""
         ...

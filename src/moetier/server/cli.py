@@ -22,6 +22,7 @@ from moetier.config import (
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
     ROUTING_TRACE_HELP,
+    STREAM_EVICTION_HELP,
 )
 from moetier.errors import ConfigError
 from moetier.threads import THREADS_HELP, threads_arg
@@ -60,12 +61,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation)",
+        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, step-lru)",
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
                    help="MoE layers ahead to prefetch")  # fmt: skip
     p.add_argument("--device-cache", action="store_true", help=DEVICE_CACHE_HELP)
+    p.add_argument(
+        "--stream-eviction",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=STREAM_EVICTION_HELP,
+    )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
@@ -196,6 +203,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         prefetch=args.prefetch,
         prefetch_ahead=args.prefetch_ahead,
         device_cache=args.device_cache,
+        stream_eviction=args.stream_eviction,
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

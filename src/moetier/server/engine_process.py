@@ -42,6 +42,7 @@ class EngineArgs:
     prefetch: str | None = None
     prefetch_ahead: int = 1
     device_cache: bool = False
+    stream_eviction: bool = True
     seed: int = 0
     max_num_seqs: int | None = None  # None: the default, and the memory split may hold fewer
     max_num_batched_tokens: int = 4096
@@ -114,6 +115,7 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
             prefetch=args.prefetch,
             prefetch_ahead=args.prefetch_ahead,
             device_cache=args.device_cache,
+            stream_eviction=args.stream_eviction,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             progress=False,
