@@ -171,3 +171,14 @@ def test_experts_on_the_triton_kernels_in_interpreter(
     _run_in_interpreter(
         _KERNELS_IN_INTERPRETER.format(path=str(ckpt), kernel=kernel, budget=budget)
     )
+
+
+def test_device_cache_parity(ckpt: Path) -> None:
+    # the kernels compute Gemma 4's experts, so the device cache takes it (it refuses a model
+    # whose experts take the loop): every call resolved and filled by tensor ops, evicting
+    stats = check_parity(
+        ckpt, "50%", host_budget="100%", moe_grouped_kernel=True, moe_slot_kernel_max_pairs=16,
+        device_cache=True,
+    )  # fmt: skip
+    assert stats["device_hits"] > 0 and stats["host_hits"] > 0 and stats["evictions"] > 0
+    assert stats["moe_calls_host_decode"] == 0 and stats["moe_calls_device_decode"] > 0
