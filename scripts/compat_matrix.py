@@ -148,6 +148,10 @@ def cell(cases: list[Case], column: Column, family: str, facts: tuple[str, bool,
     return f"{text} (loop fallback)" if column.kernel and loop_only else text
 
 
+# The configs' activations whose experts the MoE kernels compute (kernels/expert_ffn.py).
+KERNEL_ACTS = ("silu", "gelu_pytorch_tanh")
+
+
 def family_facts() -> dict[str, tuple[str, bool, bool]]:
     """Family key -> (HF model_type, whether only the per-expert loop computes its experts,
     whether the engine keeps CUDA graphs off for it: recurrent-state layers or
@@ -169,7 +173,7 @@ def family_facts() -> dict[str, tuple[str, bool, bool]]:
         act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
         recurrent = "linear_attention" in (getattr(cfg, "layer_types", None) or [])
         no_graphs = recurrent or key in graphless  # the recipes are keyed by family name
-        facts[key] = (fam.model_type, act != "silu", no_graphs)
+        facts[key] = (fam.model_type, act not in KERNEL_ACTS, no_graphs)
     return facts
 
 
@@ -222,9 +226,10 @@ def render(
         "family's recipe (tests/models/families.py); in-process (every column but the server's)",
         "it compares greedy tokens (32 new tokens, three prompts) and last-position logits with",
         "transformers.",
-        "`(loop fallback)`: the MoE kernels compute silu-gated experts only (gpt-oss's and",
-        "DeepSeek-V4's clamped SwiGLUs included), so this family's experts ran on the",
-        "per-expert loop (and its decode eagerly, not as CUDA graphs) with that switch on.",
+        "`(loop fallback)`: the MoE kernels compute silu-gated experts (gpt-oss's and",
+        "DeepSeek-V4's clamped SwiGLUs included) and Gemma 4's gelu_pytorch_tanh ones only, so",
+        "this family's experts ran on the per-expert loop (and its decode eagerly, not as CUDA",
+        "graphs) with that switch on.",
         "`(graphs off: eager)`: the engine keeps CUDA graphs off for this family (recurrent-",
         "state layers, or attention sized on the host), so its graph case ran eagerly.",
         "`server (concurrent, preempted)`: one `moetier serve` per family at a 50% expert budget",

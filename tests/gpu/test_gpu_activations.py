@@ -1,19 +1,25 @@
-"""The expert kernels' clamped activations on CUDA (kernels/expert_ffn.py ExpertMath: DeepSeek-V4's
-CLAMPED_SWIGLU, gpt-oss's GPT_OSS_SWIGLU with its biases, the float32 top-k sum): the slot and
-grouped kernels equal the reference at real expert shapes with clamps hit (fp32 to float
-tolerance, bf16 within a few ulps of the output's scale), and on experts whose dot products are
-exact (one-hot rows) bit-equal to it but for the rare element where Triton's exp and division
-round a float32 ulp off torch's. The reference equals each family's per-expert loop bit for bit
-(tests/models/test_deepseek_v4.py, test_gpt_oss.py). Run on the GPU machine with
-`python3 -m pytest -m gpu tests/gpu`."""
+"""The expert kernels' activations on CUDA (kernels/expert_ffn.py ExpertMath: DeepSeek-V4's
+CLAMPED_SWIGLU, gpt-oss's GPT_OSS_SWIGLU with its biases, the float32 top-k sum, Gemma 4's
+GELU_TANH): the slot and grouped kernels equal the reference at real expert shapes with clamps
+hit (fp32 to float tolerance, bf16 within a few ulps of the output's scale), and on experts
+whose dot products are exact (one-hot rows) bit-equal to it but for the rare element where
+Triton's exp and division round a float32 ulp off torch's; the Triton gelu (libdevice tanhf)
+equals torch's CUDA gelu(approximate="tanh") on every bf16 value. The reference equals each
+family's per-expert loop bit for bit (tests/models/test_deepseek_v4.py, test_gpt_oss.py,
+test_gemma4.py). Run on the GPU machine with `python3 -m pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from transformers.activations import ACT2FN
 
+from moetier.kernels._expert_ffn_triton import activate
 from moetier.kernels.expert_ffn import (
     CLAMPED_SWIGLU,
+    GELU_TANH,
     GPT_OSS_SWIGLU,
     SILU,
     ExpertMath,
@@ -28,7 +34,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-ACTS = {"v4": CLAMPED_SWIGLU, "gpt_oss": GPT_OSS_SWIGLU}
+ACTS = {"v4": CLAMPED_SWIGLU, "gpt_oss": GPT_OSS_SWIGLU, "gemma4": GELU_TANH}
+CLAMPED = ("gpt_oss", "v4")  # the activations with a limit (and the float32 top-k sum)
 # (T, K, D, I, E): gpt-oss-20b's expert shape at decode and prefill sizes (160 pairs: the
 # references gather every pair's expert, 4 GB each 40 tokens in fp32), and a ragged one
 SHAPES = [(1, 4, 2880, 2880, 32), (4, 6, 1024, 768, 24), (40, 4, 2880, 2880, 32)]
@@ -52,8 +59,9 @@ def test_kernels_match_reference(
 ) -> None:
     t, k, d, i, e = shape
     x, pool, slots, experts, w, math = math_case(ACTS[act], t, k, d, i, e, dtype, 3, "cuda")
-    gate, up = clamp_hits(x, pool, slots, experts, i, math)
-    assert gate > 0 and up > 0, (gate, up)
+    if act in CLAMPED:
+        gate, up = clamp_hits(x, pool, slots, experts, i, math)
+        assert gate > 0 and up > 0, (gate, up)
     got = _run(kernel, x, pool, slots, w, i, e, math, experts).float()
     want = expert_ffn_reference(x, pool, slots, w, i, None, math, experts).float()
     if kernel == "grouped":
@@ -65,7 +73,7 @@ def test_kernels_match_reference(
     assert err < tol, f"largest difference {err:.3g} of the output's scale"
 
 
-@pytest.mark.parametrize("act", [SILU, CLAMPED_SWIGLU, GPT_OSS_SWIGLU])
+@pytest.mark.parametrize("act", [SILU, CLAMPED_SWIGLU, GPT_OSS_SWIGLU, GELU_TANH])
 @pytest.mark.parametrize("kernel", ["slot", "grouped"])
 def test_kernels_round_as_the_reference_bf16(kernel: str, act: int) -> None:
     """Exact dot products (one-hot rows): every other difference is a rounding the kernel
@@ -78,7 +86,7 @@ def test_kernels_round_as_the_reference_bf16(kernel: str, act: int) -> None:
         gate_up = torch.randn(e, 2 * i, generator=g, device="cuda").to(torch.bfloat16)
         down = torch.randn(e, d, generator=g, device="cuda").to(torch.bfloat16)
         biases = (gate_up[:, 0::2], gate_up[:, 1::2], down)
-    math = ExpertMath(act, 1.0, 1.702, biases, topk_sum=act != SILU)
+    math = ExpertMath(act, 1.0, 1.702, biases, topk_sum=act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU))
     got = _run(kernel, x, pool, experts, w, i, e, math, experts)
     want = expert_ffn_reference(x, pool, experts, w, i, None, math, experts)
     same = (got == want).float().mean().item()
@@ -87,7 +95,7 @@ def test_kernels_round_as_the_reference_bf16(kernel: str, act: int) -> None:
     assert err < 2**-6, err
 
 
-@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("act", CLAMPED)
 def test_grouped_waves_continue_the_float32_sum(act: str) -> None:
     x, pool, slots, experts, w, math = math_case(
         ACTS[act], 40, 4, 512, 256, 16, torch.bfloat16, 6, "cuda"
@@ -122,3 +130,40 @@ def test_activation_kernels_replay_in_a_cuda_graph() -> None:
             e_static.copy_(new_experts)
             graph.replay()
             assert torch.equal(out, _run(kernel, x, pool, new_slots, w, 256, 16, math, new_experts))
+
+
+@triton.jit
+def _act_kernel(g_ptr, u_ptr, h_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """h = activate(g, u) elementwise (no biases, no limit), in h's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    h = activate(g, u, 0.0, 0.0, 0.0, 1.0, h_ptr.dtype.element_ty, ACT, False)
+    tl.store(h_ptr + offs, h, mask=m)
+
+
+def test_gemma4_gelu_tanh_equals_torch_on_every_bf16_value() -> None:
+    """The kernels' GELU_TANH (`activate`: gelu in float32 as PyTorch's CUDA kernel computes
+    it, libdevice's tanhf, rounded, times up rounded) equals the per-expert loop's
+    ACT2FN["gelu_pytorch_tanh"](g) * u on CUDA for every finite bf16 and float16 gate, and 4M
+    random float32 ones."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype == torch.float32:  # 4M random float32 gates
+            g = 4 * torch.randn(1 << 22, generator=gen, device="cuda")
+        else:
+            every = torch.arange(1 << 16, dtype=torch.int32, device="cuda").to(torch.int16)
+            g = every.view(dtype)
+            g = g[g.isfinite()]
+        for u in (torch.ones_like(g), torch.randn(g.shape, generator=gen, device="cuda").to(dtype)):
+            h = torch.empty_like(g)
+            _act_kernel[(triton.cdiv(g.numel(), 1024),)](g, u, h, g.numel(), GELU_TANH, 1024)
+            want = ACT2FN["gelu_pytorch_tanh"](g) * u
+            bad = h != want
+            assert not bad.any(), (
+                dtype,
+                g[bad][:8].tolist(),
+                h[bad][:8].tolist(),
+                want[bad][:8].tolist(),
+            )

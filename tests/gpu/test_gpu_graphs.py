@@ -47,7 +47,7 @@ def test_graph_replays_equal_eager_steps(ckpt: Path) -> None:
     assert [moetier_greedy(graphs, [p])[0] for p in PROMPTS] == want  # each alone
     runner = graphs.engine.runner
     assert runner.graphs is not None
-    # a block without a kernel path (gelu) is not graph-safe: its steps run eagerly
+    # a block without a kernel path (an activation the kernels lack) is not graph-safe: eager
     assert (runner.graphs.replays > 0) == moe_kernels_apply(ckpt), runner.graphs.replays
     assert not runner.graphs.failed, runner.graphs.failed
     assert eager.engine.runner.graphs is None

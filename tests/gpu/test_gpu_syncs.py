@@ -69,7 +69,7 @@ def test_decode_step_syncs_per_budget_and_path(ckpt: Path) -> None:
         for moe_path in PATHS:
             counts[(budget, moe_path)], moe_layers = decode_step_syncs(ckpt, budget, moe_path)
     print(f"host syncs per decode step, {ckpt.name} ({moe_layers} MoE layers): {counts}")
-    if not moe_kernels_apply(ckpt):  # gelu: every path is the loop, graphs never capture
+    if not moe_kernels_apply(ckpt):  # every path is the loop, graphs never capture
         assert len(set(counts.values())) == 1, counts
         return
     base = counts[(None, "slot")]  # no MoE-layer sync: what the rest of the step costs

@@ -119,11 +119,12 @@ def top_k(cfg: dict[str, Any]) -> int:
 
 def moe_kernels_apply(path: Path) -> bool:
     """Whether the MoE kernels (slot, grouped) compute this checkpoint's experts: silu-gated
-    ones (gpt-oss's and DeepSeek-V4's clamped SwiGLUs too: their configs say silu), in any
-    stored format (gpt-oss's MXFP4 included); another activation (Gemma 4's
-    gelu_pytorch_tanh) always takes the loop."""
+    ones (gpt-oss's and DeepSeek-V4's clamped SwiGLUs too: their configs say silu) and Gemma
+    4's gelu_pytorch_tanh ones, in any stored format (gpt-oss's MXFP4 included); another
+    activation always takes the loop."""
     cfg = text_config(path)
-    return (cfg.get("hidden_act") or cfg.get("hidden_activation")) == "silu"
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation")
+    return act in ("silu", "gelu_pytorch_tanh")
 
 
 def recurrent_state(path: Path) -> bool:

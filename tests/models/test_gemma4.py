@@ -2,7 +2,10 @@
 the soft cap (HF's own tokens change without them), the router's hand-over to MoEBlock survives
 a predictor calling other layers' routers and the bench swapping the gates, chunked prefill
 keeps the window, the released multimodal form (Gemma4ForConditionalGeneration) runs its
-language model, and unsupported Gemma 4 variants are refused clearly."""
+language model, and unsupported Gemma 4 variants are refused clearly. The gelu_pytorch_tanh
+experts run on the expert kernels (kernels/expert_ffn.py GELU_TANH): their math bit-equal to
+the per-expert loop in bfloat16, and the Triton kernels themselves (Triton's interpreter) give
+transformers' tokens with every expert resident and offloaded."""
 
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ import torch
 
 from moetier import LLM
 from moetier.errors import UnsupportedModelError
+from moetier.kernels.expert_ffn import GELU_TANH, expert_ffn_reference
+from moetier.layers.gemma4_router import Gemma4Router
+from moetier.models.gemma4 import Gemma4MoE
 from tests.models.families import FAMILIES
 from tests.models.parity import (
     NEW_TOKENS,
@@ -27,6 +33,7 @@ from tests.models.parity import (
     randomize,
 )
 from tests.models.test_prefetch_parity import waves_budget
+from tests.unit.test_expert_ffn import _run_in_interpreter, loop_output, selection_case
 
 GEMMA = FAMILIES["gemma4"]
 
@@ -111,3 +118,67 @@ def test_multimodal_wrapper_runs_its_language_model(tmp_path: Path) -> None:
     path = tmp_path / "wrapper"
     assert check_parity(path, None)["total_experts"] == GEMMA.routed_experts
     assert check_parity(path, min_budget(path))["disk_reads"] > 0
+
+
+def test_kernel_math_equals_the_loop_bitwise_bf16() -> None:
+    """The kernels' reference (ExpertMath GELU_TANH, adds in ascending expert order) computes
+    Gemma4MoE's per-expert loop (ACT2FN gelu_pytorch_tanh) with the same roundings: bit-equal
+    in bfloat16 on experts whose dot products are exact. Another activation takes the loop."""
+    d, i, e, k = 64, 32, 8, 2
+    block = Gemma4MoE(0, Gemma4Router(d, e, k, 1e-6), "gelu_pytorch_tanh").to(torch.bfloat16)
+    assert block.kernel_act == GELU_TANH and not block.topk_sum
+    x, gate_up, down, pool, experts, w = selection_case(24, k, d, i, e, torch.bfloat16, 2.0)
+    want = loop_output(block, x, gate_up, down, experts, w)
+    got = expert_ffn_reference(x, pool, experts, w, i, math=block.expert_math())
+    assert torch.equal(got, want)
+    block.slot_kernel_max_pairs, block.grouped_kernel = 1 << 20, True
+    assert block.slot_kernel_max_pairs > 0 and block.grouped_kernel
+    other = Gemma4MoE(0, Gemma4Router(d, e, k, 1e-6), "gelu")
+    other.slot_kernel_max_pairs, other.grouped_kernel = 1 << 20, True
+    assert other.kernel_act is None
+    assert other.slot_kernel_max_pairs == 0 and not other.grouped_kernel
+
+
+_KERNELS_IN_INTERPRETER = """
+from pathlib import Path
+import moetier.kernels._expert_ffn_triton as slot
+import moetier.kernels._grouped_ffn_triton as grouped
+from tests.models.parity import PROMPTS, check_parity
+kernel, budget = {kernel!r}, {budget!r}
+mod, name = (slot, "expert_ffn_triton") if kernel == "slot" else (grouped, "grouped_ffn_triton")
+calls = []
+real = getattr(mod, name)
+def counting(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+setattr(mod, name, counting)
+kw = (dict(moe_slot_kernel_max_pairs=1 << 20, moe_grouped_kernel=False) if kernel == "slot"
+      else dict(moe_slot_kernel_max_pairs=0, moe_grouped_kernel=True))
+stats = check_parity(Path({path!r}), budget, prompts=PROMPTS[:2], **kw)
+assert calls
+assert (stats["resident_lookups"] > 0) == (budget is None), stats
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("budget", [None, "50%"])
+@pytest.mark.parametrize("kernel", ["slot", "grouped"])
+def test_experts_on_the_triton_kernels_in_interpreter(
+    ckpt: Path, kernel: str, budget: str | None
+) -> None:
+    # the Triton kernels themselves compute every MoE call (GELU_TANH: gelu in float32, its
+    # tanh the interpreter's): transformers' tokens, every expert resident or offloaded
+    _run_in_interpreter(
+        _KERNELS_IN_INTERPRETER.format(path=str(ckpt), kernel=kernel, budget=budget)
+    )
+
+
+def test_device_cache_parity(ckpt: Path) -> None:
+    # the kernels compute Gemma 4's experts, so the device cache takes it (it refuses a model
+    # whose experts take the loop): every call resolved and filled by tensor ops, evicting
+    stats = check_parity(
+        ckpt, "50%", host_budget="100%", moe_grouped_kernel=True, moe_slot_kernel_max_pairs=16,
+        device_cache=True,
+    )  # fmt: skip
+    assert stats["device_hits"] > 0 and stats["host_hits"] > 0 and stats["evictions"] > 0
+    assert stats["moe_calls_host_decode"] == 0 and stats["moe_calls_device_decode"] > 0

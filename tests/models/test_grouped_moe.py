@@ -4,8 +4,8 @@ On CUDA it runs every step larger than the slot kernel's limit (prefill, large b
 it is forced on for every step on the CPU, where its PyTorch reference runs, so CI covers the
 routing, slot lookup, wave masking and ordering logic: with every expert resident (device slot
 table, no host decision), with one wave and with several (the minimum budget). A family whose
-activation the kernel does not compute (Gemma 4's gelu) must fall back to the per-expert loop,
-with the same parity; gpt-oss's and DeepSeek-V4's clamped SwiGLUs take the kernel.
+activation the kernel does not compute must fall back to the per-expert loop, with the same
+parity; gpt-oss's and DeepSeek-V4's clamped SwiGLUs and Gemma 4's GELU-tanh take the kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_grouped_kernel_parity(ckpt: Path, budget: str | None) -> None:
         moe_grouped_kernel=True,
         moe_slot_kernel_max_pairs=0,
     )
-    if not moe_kernels_apply(ckpt):  # gelu: every call falls back to the per-expert loop
+    if not moe_kernels_apply(ckpt):  # every call falls back to the per-expert loop
         assert stats["resident_lookups"] == 0 and stats["requests"] > 0
     elif budget is None:  # every lookup served by the device table: no host decision
         assert stats["requests"] == 0 and stats["resident_lookups"] > 0

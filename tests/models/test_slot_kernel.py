@@ -3,8 +3,9 @@
 On CUDA it is the default for decode-sized steps; here it is forced on the CPU (where the
 kernel's PyTorch reference runs) so CI covers the routing, slot lookup and ordering logic: with
 every expert resident (device slot table, no host decision) and with offloading (one wave).
-A family whose activation the kernel does not compute (Gemma 4's gelu) must fall back to the
-per-expert loop, with the same parity; gpt-oss's and DeepSeek-V4's clamped SwiGLUs take it.
+A family whose activation the kernel does not compute must fall back to the per-expert loop,
+with the same parity; gpt-oss's and DeepSeek-V4's clamped SwiGLUs and Gemma 4's GELU-tanh take
+it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def test_slot_kernel_parity(ckpt: Path, budget: str | None) -> None:
     stats = check_parity(
         ckpt, min_budget(ckpt) if budget == "min" else budget, moe_slot_kernel_max_pairs=1 << 20
     )
-    if not moe_kernels_apply(ckpt):  # gelu: every call falls back to the per-expert loop
+    if not moe_kernels_apply(ckpt):  # every call falls back to the per-expert loop
         assert stats["resident_lookups"] == 0 and stats["requests"] > 0
     elif budget is None:
         # every lookup served by the device table: no host decisions, all hits

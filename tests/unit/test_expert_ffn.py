@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 from moetier.kernels.expert_ffn import (
     CLAMPED_SWIGLU,
+    GELU_TANH,
     GPT_OSS_SWIGLU,
     SILU,
     ExpertMath,
+    activate,
     expert_ffn_reference,
 )
 
@@ -63,7 +65,7 @@ def math_case(
     ascending, weights [T, K], math) on `device`: projections ~N(0, 4), so a limit of 1.5
     clamps about half of them; gpt-oss gets interleaved gate/up biases (strided views, as the
     model passes them) and a down bias. Clamped codes take the top-k sum, as their families
-    do."""
+    do (SILU and GELU_TANH add in order)."""
     g = torch.Generator(device).manual_seed(seed)
     kw = dict(generator=g, device=device)
     x = (2 * torch.randn(t, d, **kw)).to(dtype)
@@ -75,7 +77,7 @@ def math_case(
     if act == GPT_OSS_SWIGLU:
         gate_up = torch.randn(e, 2 * i, **kw).to(dtype)
         biases = (gate_up[:, 0::2], gate_up[:, 1::2], torch.randn(e, d, **kw).to(dtype))
-    math = ExpertMath(act, 1.5, 1.702, biases, topk_sum=act != SILU)
+    math = ExpertMath(act, 1.5, 1.702, biases, topk_sum=act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU))
     return x, pool, slot_of[experts], experts, w, math
 
 
@@ -147,7 +149,7 @@ def clamp_hits(
 
 def test_reference_activations_match_per_pair_loop_fp32() -> None:
     d, i = 24, 10
-    for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+    for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU, GELU_TANH):
         x, pool, slots, experts, w, math = math_case(act, 3, 4, d, i, 9, torch.float32, seed=1)
         assert min(clamp_hits(x, pool, slots, experts, i, math)) > 0
         want = torch.zeros(3, d)
@@ -159,15 +161,37 @@ def test_reference_activations_match_per_pair_loop_fp32() -> None:
                 gv, uv = gate @ x[a], up @ x[a]
                 if math.biases is not None:
                     gv, uv = gv + math.biases[0][ex], uv + math.biases[1][ex]
-                gv, uv = gv.clamp(max=1.5), uv.clamp(-1.5, 1.5)
-                if act == CLAMPED_SWIGLU:
+                if act == GELU_TANH:  # no clamp (the entries beyond 1.5 count)
+                    h = F.gelu(gv, approximate="tanh") * uv
+                elif act == CLAMPED_SWIGLU:
+                    gv, uv = gv.clamp(max=1.5), uv.clamp(-1.5, 1.5)
                     h = F.silu(gv) * uv
                 else:
+                    gv, uv = gv.clamp(max=1.5), uv.clamp(-1.5, 1.5)
                     h = (uv + 1) * gv * torch.sigmoid(1.702 * gv)
                 y = down @ h + (0 if math.biases is None else math.biases[2][ex])
                 want[a] += y * w[a, j]
         got = expert_ffn_reference(x, pool, slots, w, i, math=math, experts=experts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_gelu_tanh_equals_gemma4_loop_bitwise_bf16() -> None:
+    # GELU_TANH is the per-expert loop's ACT2FN["gelu_pytorch_tanh"](g) * u: the gelu in
+    # float32 rounded once, the product rounded; on random values and every finite bf16 gate
+    from transformers.activations import ACT2FN
+
+    gen = torch.Generator().manual_seed(0)
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.cat([(3 * torch.randn(4096, generator=gen)).to(torch.bfloat16), every])
+    g = g[g.float().isfinite()].view(-1, 16)
+    u = torch.randn(g.shape, generator=gen).to(torch.bfloat16)
+    want = ACT2FN["gelu_pytorch_tanh"](g) * u
+    got = activate(g, u, ExpertMath(GELU_TANH, limit=1.5), None)
+    assert torch.equal(got, want)
+    # the rounding is the loop's: gelu rounded to bf16 before the product (once in float32
+    # differs), and no clamp at `limit`
+    assert not torch.equal(got, (F.gelu(g.float(), approximate="tanh") * u.float()).bfloat16())
+    assert not torch.equal(got, activate(g, u, ExpertMath(SILU), None))
 
 
 def test_reference_topk_sum_rounds_once_bf16() -> None:
@@ -232,10 +256,11 @@ print("ok")
 
 _ACT_CHECK = """
 import torch
-from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, GPT_OSS_SWIGLU, expert_ffn_reference
+from moetier.kernels.expert_ffn import (
+    CLAMPED_SWIGLU, GELU_TANH, GPT_OSS_SWIGLU, expert_ffn_reference)
 from moetier.kernels._expert_ffn_triton import FfnConfig, expert_ffn_triton
 from tests.unit.test_expert_ffn import clamp_hits, math_case
-for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU, GELU_TANH):
     for t, k, d, i, e in [(1, 4, 48, 40, 6), (3, 2, 130, 33, 9)]:
         x, pool, slots, experts, w, math = math_case(act, t, k, d, i, e, torch.float32, seed=act)
         gate, up = clamp_hits(x, pool, slots, experts, i, math)

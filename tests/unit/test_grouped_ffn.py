@@ -117,11 +117,11 @@ def test_triton_grouped_kernel_matches_reference_in_interpreter() -> None:
 
 _ACT_CHECK = """
 import torch
-from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, GPT_OSS_SWIGLU
+from moetier.kernels.expert_ffn import CLAMPED_SWIGLU, GELU_TANH, GPT_OSS_SWIGLU
 from moetier.kernels.grouped_ffn import grouped_ffn_reference
 from moetier.kernels._grouped_ffn_triton import GroupedConfig, grouped_ffn_triton
 from tests.unit.test_expert_ffn import clamp_hits, math_case
-for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU, GELU_TANH):
     for t, k, d, i, e in [(2, 4, 48, 40, 6), (9, 3, 130, 33, 8)]:
         x, pool, slots, experts, w, math = math_case(act, t, k, d, i, e, torch.float32, seed=act)
         gate, up = clamp_hits(x, pool, slots, experts, i, math)

@@ -12,17 +12,47 @@ kernel. A token's terms are added in the dtype of `out`: the model dtype, or flo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from moetier.kernels._slot_tiles_triton import dot_chunk
 from moetier.kernels.expert_ffn import PLAIN, ExpertMath, sum_dtype
 from moetier.kernels.slot_layout import SlotLayout, chunk_cols, dense_layout
 
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, P = T*K pairs.
+
+
+# Triton's CPU interpreter (tests) has no libdevice: `tanh_f32` computes there in float64 and
+# rounds (read at import, as the interpreter itself is).
+_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh of float32 x: CUDA's tanhf (libdevice), as PyTorch's CUDA gelu kernel calls it; in
+    the interpreter float64's, rounded to float32 (within an ulp of the CPU's tanh)."""
+    if _INTERPRET:
+        y = tl.minimum(tl.maximum(x, -20.0), 20.0).to(tl.float64)  # tanh(+-20) = +-1 in fp32
+        e = tl.exp(2.0 * y)
+        t = ((e - 1.0) / (e + 1.0)).to(tl.float32)
+    else:
+        t = libdevice.tanh(x)
+    return t
+
+
+@triton.jit
+def gelu_tanh(g):
+    """PyTorch's gelu(approximate="tanh") of float32 g in float32, its ops in its order
+    (aten ActivationGeluKernel.cu: kBeta = sqrt(2) * 2/sqrt(pi) / 2, kKappa = 0.044715; the
+    add after kKappa's product fused as nvcc fuses it): bit-equal to torch's on CUDA for every
+    bf16 and fp16 value (tests/gpu/test_gpu_activations.py, H100)."""
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    return (0.5 * g) * (1.0 + tanh_f32(inner))
 
 
 @triton.jit
@@ -34,13 +64,16 @@ def activate(g, u, bg, bu, LIMIT, ALPHA, dt: tl.constexpr, ACT: tl.constexpr,
     if BIAS:
         g = (g + bg).to(dt).to(tl.float32)
         u = (u + bu).to(dt).to(tl.float32)
-    if ACT != 0:  # the clamped SwiGLUs: gate <= limit, |up| <= limit
+    if ACT == 1 or ACT == 2:  # the clamped SwiGLUs: gate <= limit, |up| <= limit
         g = tl.minimum(g, LIMIT).to(dt).to(tl.float32)
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT).to(dt).to(tl.float32)
     if ACT == 2:  # gpt-oss: (up + 1) * (g * sigmoid(alpha * g))
         s = tl.sigmoid((g * ALPHA).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         glu = (g * s).to(dt).to(tl.float32)
         h = ((u + 1.0).to(dt).to(tl.float32) * glu).to(dt)
+    elif ACT == 3:  # Gemma 4: gelu_pytorch_tanh(g) * up
+        a = gelu_tanh(g).to(dt).to(tl.float32)
+        h = (a * u).to(dt)
     else:
         a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
         h = (a * u).to(dt)

@@ -16,6 +16,9 @@ each op rounded, g = r(gate · x), u = r(up · x)):
     CLAMPED_SWIGLU  g = r(min(g, limit)), u = r(clamp(u, -limit, limit)), then SILU's
                     (DeepSeek-V4's routed experts)
     GPT_OSS_SWIGLU  g, u clamped as above, h = r(r(u + 1) * r(g * r(sigmoid(r(g * alpha)))))
+    GELU_TANH       h = r(r(gelu_tanh(g)) * u), gelu_tanh PyTorch's gelu(approximate="tanh")
+                    computed in float32 and rounded once (Gemma 4's gelu_pytorch_tanh; no
+                    clamp)
 with per-expert biases (gpt-oss; indexed by expert id, not slot) added to g and u before the
 activation (g = r(g + b_gate), ...) and to the down projection before the routing weight
 (y_k = r(r(r(down · h) + b_down) * w_k)). A family whose loop sums each token's K terms at once
@@ -42,7 +45,7 @@ from moetier.kernels.slot_layout import SlotLayout
 # Legend: T tokens, K pairs per token, D hidden, I expert intermediate, S slots, P = T*K pairs.
 
 # Activation codes (constexpr ACT in the kernels), as the module docstring defines them.
-SILU, CLAMPED_SWIGLU, GPT_OSS_SWIGLU = 0, 1, 2
+SILU, CLAMPED_SWIGLU, GPT_OSS_SWIGLU, GELU_TANH = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,10 +109,12 @@ def activate(
     if math.biases is not None:
         assert experts is not None, "expert biases need the pairs' expert ids"
         g, u = g + math.biases[0][experts], u + math.biases[1][experts]
-    if math.act != SILU:
+    if math.act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
         g, u = g.clamp(max=math.limit), u.clamp(min=-math.limit, max=math.limit)
     if math.act == GPT_OSS_SWIGLU:
         return (u + 1) * (g * torch.sigmoid(g * math.alpha))
+    if math.act == GELU_TANH:
+        return F.gelu(g, approximate="tanh") * u
     return F.silu(g) * u
 
 

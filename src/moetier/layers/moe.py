@@ -51,8 +51,9 @@ class MoEBlock(nn.Module):
         self.act = ACT2FN[act]
         self.act_name = act
         # The activation code the expert kernels compute for this block's experts
-        # (kernels/expert_ffn.py; `expert_math` adds its parameters), None when they cannot
-        # (Gemma 4's gelu): then every call takes the per-expert loop.
+        # (kernels/expert_ffn.py; `expert_math` adds its parameters; families set their own:
+        # gpt-oss, DeepSeek-V4, Gemma 4), None when they cannot: then every call takes the
+        # per-expert loop.
         self.kernel_act: int | None = SILU if act == "silu" else None
         self.provider: ExpertProvider | None = None
         self.num_experts = getattr(getattr(gate, "weight", None), "shape", (0,))[0]

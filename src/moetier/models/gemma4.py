@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moetier.errors import UnsupportedModelError
+from moetier.kernels.expert_ffn import GELU_TANH
 from moetier.layers.context import ForwardContext
 from moetier.layers.gemma4_attention import Gemma4Attention
 from moetier.layers.gemma4_router import Gemma4Router
@@ -33,9 +34,15 @@ from moetier.models.registry import Family, register
 class Gemma4MoE(MoEBlock):
     """Routed experts that route on one input (the residual) and compute on another.
 
-    The MoE kernels fuse silu only and `routed` computes any other activation (Gemma 4's
-    gelu_pytorch_tanh) with the per-expert loop; the kernel switches read off (MoEBlock).
+    The expert kernels compute Gemma 4's gelu_pytorch_tanh experts (kernels/expert_ffn.py
+    GELU_TANH: the loop's gelu in float32, rounded, times up; no clamp, no biases; the
+    per-expert scale is in the routing weight); another activation takes the per-expert loop
+    (`kernel_act` None: the kernel switches read off, MoEBlock).
     """
+
+    def __init__(self, layer: int, gate: nn.Module, act: str) -> None:
+        super().__init__(layer, gate, act)
+        self.kernel_act = GELU_TANH if act == "gelu_pytorch_tanh" else None
 
     def forward(self, x: torch.Tensor, experts_in: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] the router input, experts_in [T, D] the experts' input -> [T, D]."""
