@@ -6,8 +6,16 @@ weights/mxfp4.py does (E2M1 value x 2^(scale - 127)), operation for operation in
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Temporary, for one GPU measurement (scripts/gpu_formats.py MXFP4_COMPARE=1 times each value
+# in its own process): MXFP4_BYTE_TILES=1 in the environment at import makes `dot_chunk` read
+# MXFP4 with the former byte-wise `_dot_mxfp4_bytes` instead of `_dot_mxfp4`'s word loads.
+# Delete the switch and `_dot_mxfp4_bytes` once that measurement is recorded.
+MXFP4_BYTE_TILES = tl.constexpr(os.environ.get("MXFP4_BYTE_TILES", "0") == "1")
 
 
 @triton.jit
@@ -147,10 +155,53 @@ def _dot_q8_0(base, r, x_row, k0, COLS, dt: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _fp4_bits(n):
+    """E2M1 nibbles n (int32, 0..15) as float32 by building the bits: equal to `_fp4` for
+    every nibble, -0.0 for 8 included (the sign is bit 3, moved to bit 31). Magnitude
+    v = n & 7 (exponent e = v >> 1, mantissa m = v & 1): from v = 2 on 2^(e - 1) * (1 + m/2),
+    whose bits are exponent e + 126 and mantissa bit 22 set by m: (2e + m + 252) << 22 =
+    (v + 252) << 22; below that 0 (v = 0) or 0.5 (v = 1, 252 << 22), so (252 v) << 22."""
+    v = n & 0x07
+    mag = tl.where(v < 2, v * 252, v + 252) << 22
+    return (mag | ((n & 0x08) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
     """MXFP4: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each
-    block's 16 bytes and one scale per (row, block); low nibbles against x's even columns,
-    high nibbles against the odd ones (no interleave of the decoded tiles)."""
+    (row, block)'s 16 bytes as four little-endian int32 words and one scale. Byte b of a block
+    holds columns 2b (low nibble) and 2b + 1 (high), so nibble i of word j (bits 4i..4i+3) is
+    column 8j + i: the [BN, NB, 4, 8] tile of nibbles meets x's 32 consecutive columns per
+    block as loaded, with no gather. The word loads are 16-byte aligned, as the wide loads
+    want: a matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN, the slot
+    row stride a multiple of it) and each (row, block) starts 16 bytes after the previous.
+    Masking is per block: MXFP4 rows hold whole blocks, so a block is in or past the row."""
+    kb = tl.arange(0, BK // 32)[None, :, None]
+    word = tl.arange(0, 4)[None, None, :]
+    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, NB, 1]
+    rb = r[:, None, None]
+    blk = rb * (COLS // 32) + k0 // 32 + kb  # [BN, NB, 1] the (row, block) index
+    w = tl.load(base.to(tl.pointer_type(tl.int32)) + 4 * blk + word, mask=kbm, other=0)
+    shift = (4 * tl.arange(0, 8))[None, None, None, :]
+    q = (w[:, :, :, None] >> shift) & 0x0F  # [BN, NB, 4, 8] nibble i of word j
+    s = tl.load(base + S_OFF + blk, mask=kbm, other=127).to(tl.int32)
+    wt = _fp4_bits(q) * _e8m0(s)[:, :, :, None]
+    if dt != tl.bfloat16:  # (a no-op for float32)
+        # the rounding to bf16 would be exact, so it is left out: a product is E2M1's two
+        # significant bits times a power of two, in float32's range (bf16's) or at least
+        # 0.5 x 2^-127 = 2^-128, one of bf16's subnormals (down to 2^-133); fp16 rounds
+        wt = wt.to(dt).to(tl.float32)
+    col = (k0 + 32 * kb + 8 * word)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]
+    xv = tl.load(x_row + col, mask=kbm[:, :, :, None], other=0.0).to(tl.float32)  # [1, NB, 4, 8]
+    return tl.sum(tl.sum(tl.sum(wt * xv, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
+    """MXFP4 byte-wise (the former `_dot_mxfp4`, kept for MXFP4_BYTE_TILES): BK columns from
+    k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each block's 16 bytes and one
+    scale per (row, block); low nibbles against x's even columns, high nibbles against the
+    odd ones (no interleave of the decoded tiles)."""
     kb = tl.arange(0, BK // 32)[None, :, None]
     j = tl.arange(0, 16)[None, None, :]
     col = k0 + 32 * kb + 2 * j  # [1, NB, 16] the even columns
@@ -201,7 +252,10 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         if FMT == 2:
             return _dot_q8_0(base, r, x_row, k0, COLS, dt, BK)
         elif FMT == 6:
-            return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK)
+            if MXFP4_BYTE_TILES:
+                return _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt, BK)
+            else:
+                return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK)
         elif FMT == 5:
             return _dot_q6k(base, r, x_row, k0, COLS, dt)
         else:
