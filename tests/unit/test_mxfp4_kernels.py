@@ -181,7 +181,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         xp = torch.nn.functional.pad(eye.float(), (0, pad))
         ref = torch.empty(COLS, ROWS)
         for k0 in range(0, COLS, bk):
-            ref[k0 : k0 + bk] = (xp[k0 : k0 + bk, None, k0 : k0 + bk] * wp[None, :, k0 : k0 + bk]).sum(-1)
+            ch = slice(k0, k0 + bk)
+            ref[ch] = (xp[ch, None, ch] * wp[None, :, ch]).sum(-1)
         assert same(out, ref), (dtype, bk, (out != ref).nonzero()[:8].tolist())
         if bk == 32:  # one block a chunk: every weight but the scale 255 block's is read out
             keep = fin.T & ~ref.isnan()
