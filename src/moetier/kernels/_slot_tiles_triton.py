@@ -169,31 +169,38 @@ def _fp4_bits(n):
 @triton.jit
 def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
     """MXFP4: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each
-    (row, block)'s 16 bytes as four little-endian int32 words and one scale. Byte b of a block
+    (row, block)'s 16 bytes as four little-endian int32 words, and its scale. Byte b of a block
     holds columns 2b (low nibble) and 2b + 1 (high), so nibble i of word j (bits 4i..4i+3) is
-    column 8j + i: the [BN, NB, 4, 8] tile of nibbles meets x's 32 consecutive columns per
-    block as loaded, with no gather. The word loads are 16-byte aligned, as the wide loads
-    want: a matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN, the slot
-    row stride a multiple of it) and each (row, block) starts 16 bytes after the previous.
-    Masking is per block: MXFP4 rows hold whole blocks, so a block is in or past the row."""
-    kb = tl.arange(0, BK // 32)[None, :, None]
-    word = tl.arange(0, 4)[None, None, :]
-    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, NB, 1]
-    rb = r[:, None, None]
-    blk = rb * (COLS // 32) + k0 // 32 + kb  # [BN, NB, 1] the (row, block) index
+    column 8j + i: the [4, BN, NB, 8] tile of nibbles (word, row, block, nibble) meets x's 32
+    consecutive columns of each block as loaded, with no gather. The 16-byte word loads stay
+    aligned: a matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN; the slot
+    row stride is a multiple of it) and (row, block) starts 16 (row * COLS / 32 + block) bytes
+    in. Masks are per block: rows hold whole blocks, so a block lies in the row or past it.
+    Layout: x's tile is broadcast over the rows before its load, so that Triton gives it the
+    weights' layout (a thread holds whole blocks: one 16-byte load of words, four of x) and
+    no shared-memory layout conversion (or its barrier) sits between the loads and the math."""
+    word = tl.arange(0, 4)[:, None, None]  # [4, 1, 1]
+    rb = r[None, :, None]  # [1, BN, 1]
+    kb = tl.arange(0, BK // 32)[None, None, :]  # [1, 1, NB]
+    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, 1, NB]
+    blk = rb * (COLS // 32) + k0 // 32 + kb  # [1, BN, NB] the (row, block) index
     w = tl.load(base.to(tl.pointer_type(tl.int32)) + 4 * blk + word, mask=kbm, other=0)
     shift = (4 * tl.arange(0, 8))[None, None, None, :]
-    q = (w[:, :, :, None] >> shift) & 0x0F  # [BN, NB, 4, 8] nibble i of word j
+    q = (w[:, :, :, None] >> shift) & 0x0F  # [4, BN, NB, 8]: nibble i of word j
     s = tl.load(base + S_OFF + blk, mask=kbm, other=127).to(tl.int32)
     wt = _fp4_bits(q) * _e8m0(s)[:, :, :, None]
     if dt != tl.bfloat16:  # (a no-op for float32)
-        # the rounding to bf16 would be exact, so it is left out: a product is E2M1's two
-        # significant bits times a power of two, in float32's range (bf16's) or at least
-        # 0.5 x 2^-127 = 2^-128, one of bf16's subnormals (down to 2^-133); fp16 rounds
+        # rounding to bf16 would change nothing, so it is left out: a product is E2M1's two
+        # significant bits times a power of two within float32's (bf16's) exponent range, or
+        # at least 0.5 x 2^-127 = 2^-128, a bf16 subnormal (they reach down to 2^-133)
         wt = wt.to(dt).to(tl.float32)
     col = (k0 + 32 * kb + 8 * word)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]
-    xv = tl.load(x_row + col, mask=kbm[:, :, :, None], other=0.0).to(tl.float32)  # [1, NB, 4, 8]
-    return tl.sum(tl.sum(tl.sum(wt * xv, axis=3), axis=2), axis=1)
+    xv = tl.load(
+        tl.broadcast_to(x_row + col, q.shape),  # [4, BN, NB, 8] (see Layout above)
+        mask=tl.broadcast_to(kbm[:, :, :, None], q.shape),
+        other=0.0,
+    ).to(tl.float32)
+    return tl.sum(tl.sum(tl.sum(wt * xv, axis=3), axis=0), axis=1)
 
 
 @triton.jit
