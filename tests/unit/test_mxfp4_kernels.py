@@ -128,14 +128,16 @@ from moetier.kernels.slot_layout import MXFP4
 from moetier.weights.mxfp4 import FP4_VALUES, MXFP4 as CODEC
 
 @triton.jit
-def column(base, eye, out, ROWS, COLS, S_OFF, BN: tl.constexpr, BK: tl.constexpr):
+def column(base, eye, out, ROWS, COLS, S_OFF, BN: tl.constexpr, BK: tl.constexpr,
+           WARPS: tl.constexpr):
     # program c: the rows' chunk holding column c against row c of the identity
     c = tl.program_id(0)
     rows = tl.arange(0, BN)
     k0 = (c // BK) * BK
+    x = eye + c * COLS
     dt = eye.dtype.element_ty
-    acc = dot_chunk(base, rows, rows < ROWS, eye + c * COLS, k0, COLS, S_OFF, 1, 32, dt, MXFP4, BK)
-    tl.store(out + c * BN + rows, acc, mask=rows < ROWS)
+    acc = dot_chunk(base, rows, rows < ROWS, x, k0, COLS, S_OFF, 1, 32, dt, MXFP4, BK, WARPS)
+    tl.store(out + c * BN + rows, acc)
 
 ROWS, G = 16, 17  # 17 blocks a row: 544 columns, the last 128-column chunk a quarter full
 COLS = 32 * G
@@ -167,26 +169,35 @@ def same(a, b):
         a[~nan].signbit(), b[~nan].signbit()
     )
 
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
+# BK 32 and 128 columns a chunk, tiles of 16 and 32 rows (16 past the matrix), WARPS 1 and 4:
+# the tile's arrangement follows (row, block) pairs against 32 x WARPS threads (the interpreter
+# runs no warps): word-major (the 1st, 3rd, 5th case) or row-major (the 2nd, 4th), both at BK 32
+for dtype, bk, bn, warps in (
+    (torch.bfloat16, 32, 32, 1),
+    (torch.float16, 32, 16, 1),
+    (torch.float32, 32, 32, 1),
+    (torch.bfloat16, 128, 16, 4),
+    (torch.float16, 128, 16, 1),
+):
     w = want_f32.to(dtype).float()
-    for bk in (32, 128):
-        eye = torch.eye(COLS, dtype=dtype)
-        out = torch.empty(COLS, ROWS)
-        column[(COLS,)](raw, eye, out, ROWS, COLS, ROWS * COLS // 2, BN=ROWS, BK=bk)
-        # the reference: the same sums of products over the chunk (past the row: +0), each
-        # with one nonzero term at most, so exact in any order; a chunk holding the scale
-        # 255 block (or, in fp16, any overflowed one) is NaN through inf x 0, as the kernel's
-        pad = -COLS % bk
-        wp = torch.nn.functional.pad(w, (0, pad))
-        xp = torch.nn.functional.pad(eye.float(), (0, pad))
-        ref = torch.empty(COLS, ROWS)
-        for k0 in range(0, COLS, bk):
-            ch = slice(k0, k0 + bk)
-            ref[ch] = (xp[ch, None, ch] * wp[None, :, ch]).sum(-1)
-        assert same(out, ref), (dtype, bk, (out != ref).nonzero()[:8].tolist())
-        if bk == 32:  # one block a chunk: every weight but the scale 255 block's is read out
-            keep = fin.T & ~ref.isnan()
-            assert torch.equal(out[keep], w.T[keep]) and keep.sum() >= ROWS * COLS // 2
+    eye = torch.eye(COLS, dtype=dtype)
+    out = torch.empty(COLS, bn)
+    column[(COLS,)](raw, eye, out, ROWS, COLS, ROWS * COLS // 2, BN=bn, BK=bk, WARPS=warps)
+    out = out[:, :ROWS]
+    # the reference: the same sums of products over the chunk (past the row: +0), each
+    # with one nonzero term at most, so exact in any order; a chunk holding the scale
+    # 255 block (or, in fp16, any overflowed one) is NaN through inf x 0, as the kernel's
+    pad = -COLS % bk
+    wp = torch.nn.functional.pad(w, (0, pad))
+    xp = torch.nn.functional.pad(eye.float(), (0, pad))
+    ref = torch.empty(COLS, ROWS)
+    for k0 in range(0, COLS, bk):
+        ch = slice(k0, k0 + bk)
+        ref[ch] = (xp[ch, None, ch] * wp[None, :, ch]).sum(-1)
+    assert same(out, ref), (dtype, bk, (out != ref).nonzero()[:8].tolist())
+    if bk == 32:  # one block a chunk: every weight but the scale 255 block's is read out
+        keep = fin.T & ~ref.isnan()
+        assert torch.equal(out[keep], w.T[keep]) and keep.sum() >= ROWS * COLS // 2
 print("ok")
 """
 
@@ -196,10 +207,11 @@ def test_mxfp4_dot_chunk_decodes_every_nibble_and_scale_exactly() -> None:
     [16, 544] matrix whose blocks hold every byte value and each nibble in both halves, under
     every scale byte 0..255, dotted in the interpreter with each row of the identity (each
     program the chunk holding its column, 32 and 128 columns a chunk, the last one partly past
-    the row) equals bit for bit (the sign of zero and NaN positions too) the E2M1 value times
-    the float32 scale rounded to the model dtype (bf16, fp16, fp32), summed with the chunk's
-    other products x 0. That value is the codec's decode (weights/mxfp4.py) but for scale 255
-    (inf, see the check). Comparing one-hot dots keeps the comparison exact whatever order the
-    kernel sums in; a nibble or word read from the wrong place changes the read-out weights."""
+    the row, in both of the tile's arrangements) equals bit for bit (the sign of zero and NaN
+    positions too) the E2M1 value times the float32 scale rounded to the model dtype (bf16,
+    fp16, fp32), summed with the chunk's other products x 0. That value is the codec's decode
+    (weights/mxfp4.py) but for scale 255 (inf, see the check). One-hot dots keep the
+    comparison exact whatever order the kernel sums in, and a nibble or word read from the
+    wrong place changes the read-out weights (a swap of the nibbles in each byte fails)."""
     pytest.importorskip("triton")
     _run_in_interpreter(_MXFP4_EXACT)

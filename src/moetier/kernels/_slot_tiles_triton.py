@@ -167,26 +167,36 @@ def _fp4_bits(n):
 
 
 @triton.jit
-def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
+def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr,
+               WARPS: tl.constexpr):  # fmt: skip
     """MXFP4: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each
     (row, block)'s 16 bytes as four little-endian int32 words, and its scale. Byte b of a block
     holds columns 2b (low nibble) and 2b + 1 (high), so nibble i of word j (bits 4i..4i+3) is
-    column 8j + i: the [4, BN, NB, 8] tile of nibbles (word, row, block, nibble) meets x's 32
-    consecutive columns of each block as loaded, with no gather. The 16-byte word loads stay
-    aligned: a matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN; the slot
-    row stride is a multiple of it) and (row, block) starts 16 (row * COLS / 32 + block) bytes
-    in. Masks are per block: rows hold whole blocks, so a block lies in the row or past it.
-    Layout: x's tile is broadcast over the rows before its load, so that Triton gives it the
-    weights' layout (a thread holds whole blocks: one 16-byte load of words, four of x) and
-    no shared-memory layout conversion (or its barrier) sits between the loads and the math."""
-    word = tl.arange(0, 4)[:, None, None]  # [4, 1, 1]
-    rb = r[None, :, None]  # [1, BN, 1]
+    column 8j + i: the tile of nibbles (word j, row, block, nibble i) meets x's 32 consecutive
+    columns of each block as loaded, with no gather. The 16-byte word loads stay aligned: a
+    matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN; the slot row stride
+    is a multiple of it) and (row, block) starts 16 (row * COLS / 32 + block) bytes in. Masks
+    are per block: rows hold whole blocks, so a block lies in the row or past it.
+
+    Layout: x's tile is broadcast over the rows before its load, so that Triton lays it out as
+    the weights (a thread's x beside its words), with no shared-memory conversion and barrier
+    between the loads and the math. With a (row, block) for each of the launch's 32 x WARPS
+    threads the word index is the outer dimension, so each thread holds whole blocks (one
+    16-byte load of words); with fewer (a few rows over several warps) the rows are, so the
+    warps split rows rather than words and no reduction crosses warps."""
+    word_major: tl.constexpr = r.shape[0] * (BK // 32) >= 32 * WARPS
+    if word_major:
+        word = tl.arange(0, 4)[:, None, None]  # [4, 1, 1]
+        rb = r[None, :, None]  # [1, BN, 1]
+    else:
+        word = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
+        rb = r[:, None, None]  # [BN, 1, 1]
     kb = tl.arange(0, BK // 32)[None, None, :]  # [1, 1, NB]
     kbm = (k0 // 32 + kb) * 32 < COLS  # [1, 1, NB]
-    blk = rb * (COLS // 32) + k0 // 32 + kb  # [1, BN, NB] the (row, block) index
+    blk = rb * (COLS // 32) + k0 // 32 + kb  # the (row, block) index, [1, BN, NB] / [BN, 1, NB]
     w = tl.load(base.to(tl.pointer_type(tl.int32)) + 4 * blk + word, mask=kbm, other=0)
     shift = (4 * tl.arange(0, 8))[None, None, None, :]
-    q = (w[:, :, :, None] >> shift) & 0x0F  # [4, BN, NB, 8]: nibble i of word j
+    q = (w[:, :, :, None] >> shift) & 0x0F  # [4, BN, NB, 8] / [BN, 4, NB, 8]
     s = tl.load(base + S_OFF + blk, mask=kbm, other=127).to(tl.int32)
     wt = _fp4_bits(q) * _e8m0(s)[:, :, :, None]
     if dt != tl.bfloat16:  # (a no-op for float32)
@@ -196,11 +206,12 @@ def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constex
         wt = wt.to(dt).to(tl.float32)
     col = (k0 + 32 * kb + 8 * word)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]
     xv = tl.load(
-        tl.broadcast_to(x_row + col, q.shape),  # [4, BN, NB, 8] (see Layout above)
+        tl.broadcast_to(x_row + col, q.shape),  # (see Layout above)
         mask=tl.broadcast_to(kbm[:, :, :, None], q.shape),
         other=0.0,
     ).to(tl.float32)
-    return tl.sum(tl.sum(tl.sum(wt * xv, axis=3), axis=0), axis=1)
+    part = tl.sum(tl.sum(wt * xv, axis=3), axis=0 if word_major else 1)  # [BN, NB]
+    return tl.sum(part, axis=1)
 
 
 @triton.jit
@@ -229,12 +240,14 @@ def _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.c
 
 @triton.jit
 def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
-              dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+              dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr,
+              WARPS: tl.constexpr):  # fmt: skip
     """[BN] float32: each row of the [*, COLS] matrix at `base` (rows [BN], rmask) dotted with
     x_row[k0 : k0 + BK], the weights decoded as `weight_tile` does and rounded to `dt` first.
     Compressed formats load their block fields once per (row, block), not per element: GGUF
     K-quants need BK = 256 (one super-block per row), Q8_0 and MXFP4 a multiple of 32 and FP8
-    a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`."""
+    a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`. WARPS: the
+    launch's num_warps, by which MXFP4 arranges its tile (it changes no result)."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         cmask = cols < COLS
@@ -262,7 +275,7 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
             if MXFP4_BYTE_TILES:
                 return _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt, BK)
             else:
-                return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK)
+                return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK, WARPS)
         elif FMT == 5:
             return _dot_q6k(base, r, x_row, k0, COLS, dt)
         else:
