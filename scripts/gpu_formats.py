@@ -9,9 +9,10 @@ MXFP4_COMPARE=1 instead times MXFP4's two slot-kernel decodes (kernels/_slot_til
 `_dot_mxfp4`'s word loads, and the former byte-wise `_dot_mxfp4_bytes`, which
 MXFP4_BYTE_TILES=1 selects at import, hence one process each: this one and a child) at
 gpt-oss-20b's expert shape (D 2880, I 2880, 32 experts, top-4, its clamped SwiGLU and biases)
-at T = 1 (4 pairs) and T = 8 (32 pairs), and at the Qwen3-30B-A3B shape above at T = 1 and 8;
-each call checked against the reference, and the two decodes' outputs compared bit for bit.
-With SWEEP=1 (the default) both also time a few launch shapes at T = 1.
+at T = 1 (4 pairs), T = 8 (32) and T = 32 (128 pairs: the large launch shape), and at the
+Qwen3-30B-A3B shape above at T = 1, 8 and 16; each call checked against the reference, and the
+two decodes' outputs compared bit for bit. With SWEEP=1 (the default) both also time a few
+launch shapes at T = 1.
 
     PYTHONPATH=src OUT=$OUT python3 scripts/gpu_formats.py
     PYTHONPATH=src OUT=$OUT MXFP4_COMPARE=1 python3 scripts/gpu_formats.py
@@ -49,7 +50,7 @@ from moetier.weights.gguf_quants import random_blocks
 from moetier.weights.mxfp4 import random_encoded
 
 D, I, K, S = 2048, 768, 8, 64
-R = 20
+R = int(os.environ.get("R", "20"))
 FORMATS = {
     "bf16": None,
     "fp8_e4m3": (Fp8BlockCodec(),) * 3,
@@ -161,10 +162,13 @@ def sweep(gen: torch.Generator) -> list[dict]:
     return rows
 
 
-# MXFP4_COMPARE: (name, D, I, experts = slots, K, the model's expert math (biases added below))
+# MXFP4_COMPARE: (name, D, I, experts = slots, K, the model's expert math (biases added below),
+# token counts: decode at T = 1 and 8 on the small compressed launch shape, and 128 pairs on
+# the large one)
+GPT_OSS_MATH = ExpertMath(GPT_OSS_SWIGLU, 7.0, 1.702, topk_sum=True)
 MXFP4_SHAPES = (
-    ("gpt-oss-20b", 2880, 2880, 32, 4, ExpertMath(GPT_OSS_SWIGLU, 7.0, 1.702, topk_sum=True)),
-    ("qwen3-30b-a3b", D, I, S, K, PLAIN),
+    ("gpt-oss-20b", 2880, 2880, 32, 4, GPT_OSS_MATH, (1, 8, 32)),
+    ("qwen3-30b-a3b", D, I, S, K, PLAIN, (1, 8, 16)),
 )
 
 
@@ -182,15 +186,16 @@ def mxfp4_rows(keep: str) -> list[dict]:
     decode = mxfp4_decode()
     gen = torch.Generator().manual_seed(0)  # the same pools, tokens and routes in each process
     rows: list[dict] = []
-    for model, d, i, e, k, math in MXFP4_SHAPES:
+    for model, d, i, e, k, math, tokens in MXFP4_SHAPES:
         pool, dense, layout, nbytes = pool_of("mxfp4", gen, d, i, e)
         layout = dataclasses.replace(layout, split=None)
-        if math.act == GPT_OSS_SWIGLU:  # gpt-oss's biases, by expert id
-            gb, ub = (torch.randn(e, i, generator=gen).cuda() * 0.1 for _ in range(2))
-            math = dataclasses.replace(
-                math, biases=(gb, ub, torch.randn(e, d, generator=gen).cuda() * 0.1)
+        if math.act == GPT_OSS_SWIGLU:  # gpt-oss's biases (model dtype), by expert id
+            gb, ub, db = (
+                (torch.randn(e, n, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+                for n in (i, i, d)
             )
-        for t in (1, 8):
+            math = dataclasses.replace(math, biases=(gb, ub, db))
+        for t in tokens:
             x = torch.randn(t, d, generator=gen).cuda().to(torch.bfloat16)
             ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
             ids = ids.sort(-1).values.cuda()
@@ -252,8 +257,8 @@ def mxfp4_compare(out: str) -> None:
         with open(os.path.join(keep, "rows.json")) as f:
             rows += json.load(f)
         same = {}
-        for model, *_ in MXFP4_SHAPES:
-            for t in (1, 8):
+        for model, *_, tokens in MXFP4_SHAPES:
+            for t in tokens:
                 a, b = (
                     torch.load(os.path.join(keep, f"{model}-T{t}-{v}.pt"))
                     for v in ("words", "bytes")
@@ -271,8 +276,8 @@ def mxfp4_compare(out: str) -> None:
         "| rel err (words) | same output |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, *_ in MXFP4_SHAPES:
-        for t in (1, 8):
+    for model, *_, tokens in MXFP4_SHAPES:
+        for t in tokens:
             old, new = by[(model, t, "bytes")], by[(model, t, "words")]
             lines.append(
                 f"| {model} | {t} | {new['pairs']} | {new['experts']} | {old['us']} | "
