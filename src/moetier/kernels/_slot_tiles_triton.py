@@ -247,7 +247,7 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
     Compressed formats load their block fields once per (row, block), not per element: GGUF
     K-quants need BK = 256 (one super-block per row), Q8_0 and MXFP4 a multiple of 32 and FP8
     a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`. WARPS: the
-    launch's num_warps, by which MXFP4 arranges its tile (it changes no result)."""
+    launch's num_warps, by which MXFP4 arranges its tile (its order of sums, no weight)."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         cmask = cols < COLS
