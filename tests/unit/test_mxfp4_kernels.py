@@ -117,3 +117,101 @@ print("ok")
 def test_mxfp4_kernels_match_reference_in_interpreter() -> None:
     pytest.importorskip("triton")
     _run_in_interpreter(_MXFP4_KERNELS)
+
+
+_MXFP4_EXACT = """
+import torch
+import triton
+import triton.language as tl
+from moetier.kernels._slot_tiles_triton import dot_chunk
+from moetier.kernels.slot_layout import MXFP4
+from moetier.weights.mxfp4 import FP4_VALUES, MXFP4 as CODEC
+
+@triton.jit
+def column(base, eye, out, ROWS, COLS, S_OFF, BN: tl.constexpr, BK: tl.constexpr,
+           WARPS: tl.constexpr):
+    # program c: the rows' chunk holding column c against row c of the identity
+    c = tl.program_id(0)
+    rows = tl.arange(0, BN)
+    k0 = (c // BK) * BK
+    x = eye + c * COLS
+    dt = eye.dtype.element_ty
+    acc = dot_chunk(base, rows, rows < ROWS, x, k0, COLS, S_OFF, 1, 32, dt, MXFP4, BK, WARPS)
+    tl.store(out + c * BN + rows, acc)
+
+ROWS, G = 16, 17  # 17 blocks a row: 544 columns, the last 128-column chunk a quarter full
+COLS = 32 * G
+r = torch.arange(ROWS)[:, None, None]
+t = torch.arange(G)[None, :, None]
+j = torch.arange(16)[None, None, :]
+# byte j of block (r, t): low nibble j, high nibble j + r + t (mod 16): every block holds each
+# nibble in both halves, every row all 256 byte values; the scales run through 0..255 (and on)
+blocks = (j | (((j + r + t) % 16) << 4)).to(torch.uint8)
+scales = (torch.arange(ROWS * G) % 256).view(ROWS, G).to(torch.uint8)
+raw = CODEC.encode(blocks, scales)
+assert raw.numel() % 16 == 0 and set(blocks.flatten().tolist()) == set(range(256))
+
+# the kernel's contract: the E2M1 value times the float32 scale 2^(s - 127), rounded to dt
+nib = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).view(ROWS, G, 32).long()
+e8m0 = torch.where(scales == 0, 2.0**-127, torch.exp2(scales.double() - 127)).float()
+want_f32 = (torch.tensor(FP4_VALUES)[nib] * e8m0[..., None]).view(ROWS, COLS)
+# ... which is the codec's decode except at scale 255 (NaN in the OCP spec, never written by a
+# quantizer): the float32 scale is inf there where the reference's ldexp stays finite
+dec = CODEC.decode(raw, ROWS, COLS, torch.float32)
+fin = (scales != 255).repeat_interleave(32, dim=1)
+assert torch.equal(want_f32[fin], dec[fin])
+assert torch.equal(want_f32[fin].signbit(), dec[fin].signbit())  # -0.0 for nibble 8
+assert (~fin).sum() == 32 and want_f32[~fin].isinf().sum() == 28  # and 4 NaN (nibbles 0, 8)
+
+def same(a, b):
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]) and torch.equal(
+        a[~nan].signbit(), b[~nan].signbit()
+    )
+
+# BK 32 and 128 columns a chunk, tiles of 16 and 32 rows (16 past the matrix), WARPS 1 and 4:
+# the tile's arrangement follows (row, block) pairs against 32 x WARPS threads (the interpreter
+# runs no warps): word-major (the 1st, 3rd, 5th case) or row-major (the 2nd, 4th), both at BK 32
+for dtype, bk, bn, warps in (
+    (torch.bfloat16, 32, 32, 1),
+    (torch.float16, 32, 16, 1),
+    (torch.float32, 32, 32, 1),
+    (torch.bfloat16, 128, 16, 4),
+    (torch.float16, 128, 16, 1),
+):
+    w = want_f32.to(dtype).float()
+    eye = torch.eye(COLS, dtype=dtype)
+    out = torch.empty(COLS, bn)
+    column[(COLS,)](raw, eye, out, ROWS, COLS, ROWS * COLS // 2, BN=bn, BK=bk, WARPS=warps)
+    out = out[:, :ROWS]
+    # the reference: the same sums of products over the chunk (past the row: +0), each
+    # with one nonzero term at most, so exact in any order; a chunk holding the scale
+    # 255 block (or, in fp16, any overflowed one) is NaN through inf x 0, as the kernel's
+    pad = -COLS % bk
+    wp = torch.nn.functional.pad(w, (0, pad))
+    xp = torch.nn.functional.pad(eye.float(), (0, pad))
+    ref = torch.empty(COLS, ROWS)
+    for k0 in range(0, COLS, bk):
+        ch = slice(k0, k0 + bk)
+        ref[ch] = (xp[ch, None, ch] * wp[None, :, ch]).sum(-1)
+    assert same(out, ref), (dtype, bk, (out != ref).nonzero()[:8].tolist())
+    if bk == 32:  # one block a chunk: every weight but the scale 255 block's is read out
+        keep = fin.T & ~ref.isnan()
+        assert torch.equal(out[keep], w.T[keep]) and keep.sum() >= ROWS * COLS // 2
+print("ok")
+"""
+
+
+def test_mxfp4_dot_chunk_decodes_every_nibble_and_scale_exactly() -> None:
+    """`dot_chunk` on MXFP4 (the slot kernel's decode path) reads every weight exactly: a
+    [16, 544] matrix whose blocks hold every byte value and each nibble in both halves, under
+    every scale byte 0..255, dotted in the interpreter with each row of the identity (each
+    program the chunk holding its column, 32 and 128 columns a chunk, the last one partly past
+    the row, in both of the tile's arrangements) equals bit for bit (the sign of zero and NaN
+    positions too) the E2M1 value times the float32 scale rounded to the model dtype (bf16,
+    fp16, fp32), summed with the chunk's other products x 0. That value is the codec's decode
+    (weights/mxfp4.py) but for scale 255 (inf, see the check). One-hot dots keep the
+    comparison exact whatever order the kernel sums in, and a nibble or word read from the
+    wrong place changes the read-out weights (a swap of the nibbles in each byte fails)."""
+    pytest.importorskip("triton")
+    _run_in_interpreter(_MXFP4_EXACT)

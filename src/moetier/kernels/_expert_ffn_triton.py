@@ -106,6 +106,7 @@ def _gate_up_act(
     BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WARPS: tl.constexpr,
 ):
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -119,9 +120,10 @@ def _gate_up_act(
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     x_row = x_ptr + t * D
     for k0 in range(0, D, BLOCK_K):
-        acc_g += dot_chunk(base, rows, rmask, x_row, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K)
+        acc_g += dot_chunk(base, rows, rmask, x_row, k0, D, S_OFF, BR, BC, dt, FMT, BLOCK_K,
+                           WARPS)  # fmt: skip
         acc_u += dot_chunk(base + UP_OFF, rows, rmask, x_row, k0, D, S_OFF, BR, BC, dt, FMT,
-                           BLOCK_K)  # fmt: skip
+                           BLOCK_K, WARPS)  # fmt: skip
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     bg = 0.0
@@ -156,6 +158,7 @@ def _down_combine(
     BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WARPS: tl.constexpr,
 ):
     t = tl.program_id(0)
     nb = tl.program_id(1)
@@ -171,7 +174,7 @@ def _down_combine(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, NI, BLOCK_K):
             acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
-                             BLOCK_K)  # fmt: skip
+                             BLOCK_K, WARPS)  # fmt: skip
         y = _bias_weight(acc, w_ptr, exp_ptr, db_ptr, p, rows, rmask, DB_ROW, dt, BIAS)
         out = (out + y.to(tl.float32)).to(odt).to(tl.float32)
     tl.store(out_ptr + t * D + rows, out.to(odt), mask=rmask)
@@ -211,6 +214,7 @@ def _down_pair(
     BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WARPS: tl.constexpr,
 ):
     """One (token, expert) pair's weighted down projection, pairs in parallel: y[p] =
     r(r(down_p · h_p) * w_p) (with its down bias, `_bias_weight`). `_combine` adds a token's
@@ -225,7 +229,7 @@ def _down_pair(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         acc += dot_chunk(base, rows, rmask, h_ptr + p * NI, k0, NI, S_OFF, BR, BC, dt, FMT,
-                         BLOCK_K)  # fmt: skip
+                         BLOCK_K, WARPS)  # fmt: skip
     y = _bias_weight(acc, w_ptr, exp_ptr, db_ptr, p, rows, rmask, DB_ROW, dt, BIAS)
     tl.store(y_ptr + p * D + rows, y, mask=rmask)
 
@@ -307,7 +311,7 @@ def gate_up(
         x, pool, slots, h, exp, gb, ub, k, d, inter, pool.stride(0), layout.up,
         *_scale_args(layout), b_row, b_col, math.limit, math.alpha,
         BC=layout.block[1], FMT=layout.gate_up_format, ACT=math.act,
-        BIAS=math.biases is not None, BLOCK_N=cfg.up_bn, BLOCK_K=bk,
+        BIAS=math.biases is not None, BLOCK_N=cfg.up_bn, BLOCK_K=bk, WARPS=cfg.up_warps,
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
 
@@ -346,7 +350,8 @@ def down(
     exp, _, _, db, _, _, db_row = bias_args(math, experts, slots)
     tile = dict(
         BC=layout.block[1], FMT=layout.down_format, BIAS=math.biases is not None,
-        BLOCK_N=cfg.down_bn, BLOCK_K=bk, num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        BLOCK_N=cfg.down_bn, BLOCK_K=bk, WARPS=cfg.down_warps, num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
     )  # fmt: skip
     rows = triton.cdiv(d, cfg.down_bn)
     at = (pool.stride(0), layout.down, *_scale_args(layout), db_row)

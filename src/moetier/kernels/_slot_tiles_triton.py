@@ -6,8 +6,16 @@ weights/mxfp4.py does (E2M1 value x 2^(scale - 127)), operation for operation in
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Temporary, for one GPU measurement (scripts/gpu_formats.py MXFP4_COMPARE=1 times each value
+# in its own process): MXFP4_BYTE_TILES=1 in the environment at import makes `dot_chunk` read
+# MXFP4 with the former byte-wise `_dot_mxfp4_bytes` instead of `_dot_mxfp4`'s word loads.
+# Delete the switch and `_dot_mxfp4_bytes` once that measurement is recorded.
+MXFP4_BYTE_TILES = tl.constexpr(os.environ.get("MXFP4_BYTE_TILES", "0") == "1")
 
 
 @triton.jit
@@ -147,10 +155,71 @@ def _dot_q8_0(base, r, x_row, k0, COLS, dt: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
+def _fp4_bits(n):
+    """E2M1 nibbles n (int32, 0..15) as float32 by building the bits: equal to `_fp4` for
+    every nibble, -0.0 for 8 included (the sign is bit 3, moved to bit 31). Magnitude
+    v = n & 7 (exponent e = v >> 1, mantissa m = v & 1): from v = 2 on 2^(e - 1) * (1 + m/2),
+    whose bits are exponent e + 126 and mantissa bit 22 set by m: (2e + m + 252) << 22 =
+    (v + 252) << 22; below that 0 (v = 0) or 0.5 (v = 1, 252 << 22), so (252 v) << 22."""
+    v = n & 0x07
+    mag = tl.where(v < 2, v * 252, v + 252) << 22
+    return (mag | ((n & 0x08) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr,
+               WARPS: tl.constexpr):  # fmt: skip
     """MXFP4: BK columns from k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each
-    block's 16 bytes and one scale per (row, block); low nibbles against x's even columns,
-    high nibbles against the odd ones (no interleave of the decoded tiles)."""
+    (row, block)'s 16 bytes as four little-endian int32 words, and its scale. Byte b of a block
+    holds columns 2b (low nibble) and 2b + 1 (high), so nibble i of word j (bits 4i..4i+3) is
+    column 8j + i: the tile of nibbles (word j, row, block, nibble i) meets x's 32 consecutive
+    columns of each block as loaded, with no gather. The 16-byte word loads stay aligned: a
+    matrix starts 16-byte aligned in its slot (weights/formats.py ALIGN; the slot row stride
+    is a multiple of it) and (row, block) starts 16 (row * COLS / 32 + block) bytes in. Masks
+    are per block: rows hold whole blocks, so a block lies in the row or past it.
+
+    Layout: x's tile is broadcast over the rows before its load, so that Triton lays it out as
+    the weights (a thread's x beside its words), with no shared-memory conversion and barrier
+    between the loads and the math. With a (row, block) for each of the launch's 32 x WARPS
+    threads the word index is the outer dimension, so each thread holds whole blocks (one
+    16-byte load of words); with fewer (a few rows over several warps) the rows are, so the
+    warps split rows rather than words and no reduction crosses warps."""
+    word_major: tl.constexpr = r.shape[0] * (BK // 32) >= 32 * WARPS
+    if word_major:
+        word = tl.arange(0, 4)[:, None, None]  # [4, 1, 1]
+        rb = r[None, :, None]  # [1, BN, 1]
+    else:
+        word = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
+        rb = r[:, None, None]  # [BN, 1, 1]
+    kb = tl.arange(0, BK // 32)[None, None, :]  # [1, 1, NB]
+    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, 1, NB]
+    blk = rb * (COLS // 32) + k0 // 32 + kb  # the (row, block) index, [1, BN, NB] / [BN, 1, NB]
+    w = tl.load(base.to(tl.pointer_type(tl.int32)) + 4 * blk + word, mask=kbm, other=0)
+    shift = (4 * tl.arange(0, 8))[None, None, None, :]
+    q = (w[:, :, :, None] >> shift) & 0x0F  # [4, BN, NB, 8] / [BN, 4, NB, 8]
+    s = tl.load(base + S_OFF + blk, mask=kbm, other=127).to(tl.int32)
+    wt = _fp4_bits(q) * _e8m0(s)[:, :, :, None]
+    if dt != tl.bfloat16:  # (a no-op for float32)
+        # rounding to bf16 would change nothing, so it is left out: a product is E2M1's two
+        # significant bits times a power of two within float32's (bf16's) exponent range, or
+        # at least 0.5 x 2^-127 = 2^-128, a bf16 subnormal (they reach down to 2^-133)
+        wt = wt.to(dt).to(tl.float32)
+    col = (k0 + 32 * kb + 8 * word)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]
+    xv = tl.load(
+        tl.broadcast_to(x_row + col, q.shape),  # (see Layout above)
+        mask=tl.broadcast_to(kbm[:, :, :, None], q.shape),
+        other=0.0,
+    ).to(tl.float32)
+    part = tl.sum(tl.sum(wt * xv, axis=3), axis=0 if word_major else 1)  # [BN, NB]
+    return tl.sum(part, axis=1)
+
+
+@triton.jit
+def _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
+    """MXFP4 byte-wise (the former `_dot_mxfp4`, kept for MXFP4_BYTE_TILES): BK columns from
+    k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each block's 16 bytes and one
+    scale per (row, block); low nibbles against x's even columns, high nibbles against the
+    odd ones (no interleave of the decoded tiles)."""
     kb = tl.arange(0, BK // 32)[None, :, None]
     j = tl.arange(0, 16)[None, None, :]
     col = k0 + 32 * kb + 2 * j  # [1, NB, 16] the even columns
@@ -171,12 +240,14 @@ def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constex
 
 @triton.jit
 def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
-              dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+              dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr,
+              WARPS: tl.constexpr):  # fmt: skip
     """[BN] float32: each row of the [*, COLS] matrix at `base` (rows [BN], rmask) dotted with
     x_row[k0 : k0 + BK], the weights decoded as `weight_tile` does and rounded to `dt` first.
     Compressed formats load their block fields once per (row, block), not per element: GGUF
     K-quants need BK = 256 (one super-block per row), Q8_0 and MXFP4 a multiple of 32 and FP8
-    a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`."""
+    a BK that divides BC (one scale per row); other FP8 blocks take `weight_tile`. WARPS: the
+    launch's num_warps, by which MXFP4 arranges its tile (its order of sums, no weight)."""
     if FMT == 0 or (FMT == 1 and BC % BK != 0):
         cols = k0 + tl.arange(0, BK)
         cmask = cols < COLS
@@ -201,7 +272,10 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         if FMT == 2:
             return _dot_q8_0(base, r, x_row, k0, COLS, dt, BK)
         elif FMT == 6:
-            return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK)
+            if MXFP4_BYTE_TILES:
+                return _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt, BK)
+            else:
+                return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK, WARPS)
         elif FMT == 5:
             return _dot_q6k(base, r, x_row, k0, COLS, dt)
         else:
