@@ -154,8 +154,8 @@ KERNEL_ACTS = ("silu", "gelu_pytorch_tanh")
 
 def family_facts() -> dict[str, tuple[str, bool, bool]]:
     """Family key -> (HF model_type, whether only the per-expert loop computes its experts,
-    whether the engine keeps CUDA graphs off for it: recurrent-state layers or
-    `Family.no_graphs`)."""
+    whether the engine keeps CUDA graphs off for it: `Family.no_graphs`; hybrid families'
+    decode graphs take their recurrent-state slots as inputs)."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -171,8 +171,7 @@ def family_facts() -> dict[str, tuple[str, bool, bool]]:
     for key, fam in FAMILIES.items():
         cfg = AutoConfig.for_model(fam.model_type, **{**fam.tiny, **fam.main})
         act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
-        recurrent = "linear_attention" in (getattr(cfg, "layer_types", None) or [])
-        no_graphs = recurrent or key in graphless  # the recipes are keyed by family name
+        no_graphs = key in graphless  # the recipes are keyed by family name
         facts[key] = (fam.model_type, act not in KERNEL_ACTS, no_graphs)
     return facts
 
@@ -230,8 +229,8 @@ def render(
         "DeepSeek-V4's clamped SwiGLUs included) and Gemma 4's gelu_pytorch_tanh ones only, so",
         "this family's experts ran on the per-expert loop (and its decode eagerly, not as CUDA",
         "graphs) with that switch on.",
-        "`(graphs off: eager)`: the engine keeps CUDA graphs off for this family (recurrent-",
-        "state layers, or attention sized on the host), so its graph case ran eagerly.",
+        "`(graphs off: eager)`: the engine keeps CUDA graphs off for this family (attention",
+        "sized on the host), so its graph case ran eagerly.",
         "`server (concurrent, preempted)`: one `moetier serve` per family at a 50% expert budget",
         "(tests/server/test_family_parity_served.py); concurrent greedy completions of mixed",
         "prompt lengths, on a KV pool too small for them all (the server must report preemptions)",
