@@ -56,7 +56,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream-eviction",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help=STREAM_EVICTION_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)

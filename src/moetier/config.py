@@ -128,8 +128,9 @@ class OffloadConfig:
     # every expert of every layer in layer order, so this is Belady's rule there, where LRU
     # evicts the layers ahead (loaded longest ago) that are needed soonest (48 x 128 experts at
     # 25%: 6,144 -> 4,608-4,864 loads a 2,048-token step in replay, bench/results/2026-12-06-
-    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off.
-    stream_eviction: bool = True
+    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off. Off
+    # by default until `bench gate` on a GPU says it shortens TTFT (replay counts loads only).
+    stream_eviction: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_eviction, bool):
@@ -158,7 +159,7 @@ DEVICE_CACHE_HELP = (
 STREAM_EVICTION_HELP = (
     "streamed steps (long prompts, big batches; layer streaming) evict in the step's next-use "
     "order around --policy: layers finished in the step first, then the farthest ahead "
-    "(default: on; --no-stream-eviction: --policy alone)"
+    "(default: off, --policy alone, until a GPU ship gate has timed it)"
 )
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "

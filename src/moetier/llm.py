@@ -125,7 +125,7 @@ class LLM:
         threads: int | None = None,
         late_reads: bool = True,
         device_cache: bool = False,
-        stream_eviction: bool = True,
+        stream_eviction: bool = False,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,

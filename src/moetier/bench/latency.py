@@ -299,7 +299,7 @@ def settings_record(
         prefetch=str(s.llm_kwargs.get("prefetch", "off")),
         kv_budget=str(s.llm_kwargs.get("num_kv_blocks", "default (engine's KV bytes)")),
         kv_cache_dtype=str(s.llm_kwargs.get("kv_cache_dtype", "auto")),
-        stream_eviction=bool(s.llm_kwargs.get("stream_eviction", True)),
+        stream_eviction=bool(s.llm_kwargs.get("stream_eviction", False)),
         synthetic_meta=_synthetic_meta(path),
         sampling="temperature 1.0, per-request seed (seed + prompt index), ignore_eos",
         gpu_busy_source=(

@@ -11,11 +11,12 @@ import os
 import triton
 import triton.language as tl
 
-# Temporary, for one GPU measurement (scripts/gpu_formats.py MXFP4_COMPARE=1 times each value
-# in its own process): MXFP4_BYTE_TILES=1 in the environment at import makes `dot_chunk` read
-# MXFP4 with the former byte-wise `_dot_mxfp4_bytes` instead of `_dot_mxfp4`'s word loads.
-# Delete the switch and `_dot_mxfp4_bytes` once that measurement is recorded.
-MXFP4_BYTE_TILES = tl.constexpr(os.environ.get("MXFP4_BYTE_TILES", "0") == "1")
+# Temporary, until one GPU measurement (scripts/gpu_formats.py MXFP4_COMPARE=1 times each value
+# in its own process): `dot_chunk` reads MXFP4 with the byte-wise `_dot_mxfp4_bytes`, the path
+# the GPU suite has run (H200 and H100, 2026-12-06), unless MXFP4_BYTE_TILES=0 in the
+# environment at import selects `_dot_mxfp4`'s word loads (exact in the interpreter, compiled
+# to sm_90 PTX, never run on a GPU yet). Once measured: keep the faster, delete the switch.
+MXFP4_BYTE_TILES = tl.constexpr(os.environ.get("MXFP4_BYTE_TILES", "1") == "1")
 
 
 @triton.jit

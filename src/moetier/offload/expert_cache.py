@@ -78,7 +78,7 @@ class ExpertCache:
         io_threads: int = 2,
         copier: Copier | None = None,
         late_reads: bool = False,
-        stream_eviction: bool = True,
+        stream_eviction: bool = False,
     ) -> None:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
         pumped on every cache call, one prefetch chunk in flight). `stream_eviction`: the calls

@@ -2,8 +2,9 @@
 
 A policy of the registry in `offload/policy.py` (pure Python, no tensors): `StepAwarePolicy`
 wraps another policy, and `StreamEviction` puts it around the configured policy for the layer
-calls of streamed steps only (`stream_eviction`, on by default; the engine's cache and the
-replay both use it). `step-lru` in the registry is the wrapper always on, around LRU.
+calls of streamed steps only (`stream_eviction`, off by default until timed on a GPU; the
+engine's cache and the replay both use it). `step-lru` in the registry is the wrapper always on,
+around LRU.
 
 Why: a streamed step (layer streaming, `layers/moe.py`: a long prefill or a big batch) touches
 nearly every expert of every MoE layer, in increasing layer order, once. When the slot pool is

@@ -70,7 +70,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--stream-eviction",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help=STREAM_EVICTION_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)

@@ -42,7 +42,7 @@ class EngineArgs:
     prefetch: str | None = None
     prefetch_ahead: int = 1
     device_cache: bool = False
-    stream_eviction: bool = True
+    stream_eviction: bool = False
     seed: int = 0
     max_num_seqs: int | None = None  # None: the default, and the memory split may hold fewer
     max_num_batched_tokens: int = 4096
