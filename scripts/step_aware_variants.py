@@ -18,6 +18,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 
 import moetier.bench.replay as rp
+import moetier.bench.stream_replay as sr
 from moetier.offload.policy import LRUPolicy, Policy
 from moetier.offload.step_aware import StepAwarePolicy, StreamEviction
 
@@ -54,8 +55,8 @@ VARIANTS = {
 def main() -> None:
     spec, budget, prompts, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     form = sys.argv[5] if len(sys.argv) > 5 else "always"
-    trace, label = rp.routing_trace(spec, 48, prompts, 2048, 0, out)
-    pre = rp._prefill_steps(trace.records)
+    trace, label = sr.routing_trace(spec, 48, prompts, 2048, 0, out)
+    pre = sr._prefill_steps(trace.records)
     slots = rp.slots_for_budget(trace.header, budget)
     for name, cls in VARIANTS.items():
         policy: Policy

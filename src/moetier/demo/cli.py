@@ -180,7 +180,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_streamed(args: argparse.Namespace, policies: list[str]) -> int:
-    from moetier.bench import replay as rp
+    from moetier.bench import stream_replay as rp
     from moetier.errors import ConfigError
 
     if args.prompt_len < 1 or args.steps < 1 or (args.layers is not None and args.layers < 1):
