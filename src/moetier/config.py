@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from moetier.errors import ConfigError
 
@@ -236,6 +237,41 @@ class CacheConfig:
             )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism (parallel/): routed experts spread over `expert_parallel_size` ranks,
+    one process each, every other weight replicated; rank 0 schedules, samples and serves."""
+
+    expert_parallel_size: int = 1
+    # "round-robin" (expert e on rank e % N) or "balanced" (by use in `placement_trace`)
+    expert_placement: str = "round-robin"
+    placement_trace: str | None = None  # a moetier-trace file, for "balanced"
+    # Seconds a rank waits in a collective (start-up included) before the group is given up:
+    # a rank that died or hangs fails the requests in flight instead of hanging the server.
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        from moetier.parallel.placement import PLACEMENTS
+
+        _at_least_1("expert_parallel_size", self.expert_parallel_size, "ranks; 1 = one process")
+        if self.expert_placement not in PLACEMENTS:
+            raise ConfigError(
+                f"unknown expert placement {self.expert_placement!r}; choose one of "
+                f"{', '.join(PLACEMENTS)}"
+            )
+        if self.expert_placement == "balanced" and self.placement_trace is None:
+            raise ConfigError(
+                "expert placement 'balanced' places experts by their use in a routing trace: "
+                "pass placement_trace (--placement-trace FILE, from `moetier record-trace`)"
+            )
+        if self.placement_trace is not None and not Path(self.placement_trace).is_file():
+            raise ConfigError(f"placement trace {self.placement_trace}: no such file")
+        if not self.timeout_s > 0:
+            raise ConfigError(
+                f"expert-parallel timeout must be > 0 seconds, got {self.timeout_s!r}"
+            )
+
+
 def _at_least_1(name: str, value: object, what: str) -> None:
     """Refuse a count below 1 (a step of 0 sequences or tokens would never make progress)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -254,6 +290,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     progress: bool = True
     # MoE fast path: a step with more (token, expert) pairs than the slot kernel takes (prefill,
     # large batches) is computed by the grouped kernel (kernels/grouped_ffn.py), reading the

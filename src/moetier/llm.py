@@ -6,6 +6,7 @@ Owns tokenization of string prompts and the run-to-completion loop; the engine d
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -20,12 +21,14 @@ from moetier.config import (
     EngineConfig,
     MemoryConfig,
     OffloadConfig,
+    ParallelConfig,
     SchedulerConfig,
     parse_budget,
 )
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError, DeviceMemoryError
+from moetier.parallel.launch import Workers, rank_config, start_group
 from moetier.threads import check_threads
 
 if TYPE_CHECKING:
@@ -75,6 +78,19 @@ def _check_budgets_and_policy(
             f"unknown prefetch predictor {prefetch!r}; choose one of "
             f"{', '.join(sorted(PREDICTORS))} (or leave prefetch off)"
         )
+
+
+def _leave_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _close_group(runner: Any, workers: Workers) -> None:
+    """Rank 0: stop the other ranks (they exit on "stop"; killed after a timeout), leave."""
+    if runner.parallel is not None:
+        runner.parallel.close()
+    workers.stop()
+    _leave_group()
 
 
 def _build_engine(config: EngineConfig, tokenizer: Any) -> Engine:
@@ -130,13 +146,22 @@ class LLM:
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,
         routing_trace: str | Path | None = None,
+        expert_parallel_size: int = 1,
+        expert_placement: str = "round-robin",
+        placement_trace: str | Path | None = None,
+        parallel_timeout_s: float = 300.0,
     ) -> None:
         """`gpu_memory`: one device budget ("24GiB", "90%") split between non-expert weights, a
         reserve, expert slots and KV blocks (engine/memory_split.py); `routing_trace`: a
         moetier-trace file whose replayed hit rates size that split when `max_num_seqs` is
         not given (None = 64 sequences, and the split may hold fewer). `stream_eviction`:
         streamed steps (long prefills, big batches; `moe_stream_share`) evict in the step's
-        next-use order around `policy` (offload/step_aware.py); False = `policy` alone."""
+        next-use order around `policy` (offload/step_aware.py); False = `policy` alone.
+        `expert_parallel_size`: routed experts spread over this many ranks, one process each
+        (this one is rank 0; the others start here, or under torchrun), each rank's budgets
+        its own; `expert_placement` "round-robin" or "balanced" (by use in `placement_trace`);
+        `parallel_timeout_s`: how long a rank waits for the others before the group is given
+        up. `close()` stops the other ranks."""
         # Every setting is checked before any work (the demo build, the checkpoint load).
         seqs = DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
         scheduler = SchedulerConfig(seqs, max_num_batched_tokens)
@@ -164,6 +189,12 @@ class LLM:
             device_cache=device_cache,
             stream_eviction=stream_eviction,
         )
+        parallel = ParallelConfig(
+            expert_parallel_size,
+            expert_placement,
+            None if placement_trace is None else str(placement_trace),
+            parallel_timeout_s,
+        )
         if model is None:
             from moetier.demo.builder import ensure_demo_model
 
@@ -177,6 +208,7 @@ class LLM:
             scheduler=scheduler,
             cache=cache,
             memory=memory,
+            parallel=parallel,
             progress=progress,
             moe_grouped_kernel=moe_grouped_kernel,
             moe_mxfp4_kernel=moe_mxfp4_kernel,
@@ -190,8 +222,26 @@ class LLM:
             threads=threads,
         )
         self.tokenizer = load_tokenizer(model)
-        self.engine = _build_engine(self.config, self.tokenizer)
+        self._workers = start_group(self.config)
+        if self._workers is not None:
+            self.config = rank_config(self.config, 0)
+            try:
+                self.engine = _build_engine(self.config, self.tokenizer)
+            except BaseException:
+                self._workers.stop(0.0 if torch.distributed.is_initialized() else 10.0)
+                _leave_group()
+                raise
+            self._workers.check_ready(self.engine.runner.parallel)
+            self._closer = weakref.finalize(self, _close_group, self.engine.runner, self._workers)
+        else:
+            self.engine = _build_engine(self.config, self.tokenizer)
         self._tool_supports: dict[str | None, ToolSupport] = {}  # by format name, made on use
+
+    def close(self) -> None:
+        """Stop the other ranks of an expert-parallel group (nothing for one rank); the LLM
+        cannot generate after it."""
+        if self._workers is not None:
+            self._closer()
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -344,4 +394,21 @@ class LLM:
             kv_blocks_total=kv.blocks.num_blocks,
             **self.engine.runner.memory_split.stats(),
         )
+        parallel = self.engine.runner.parallel
+        if parallel is not None:
+            stats["expert_parallel_size"] = parallel.world
+            stats.update(parallel.stats.to_dict())
+            stats["ranks"] = self.rank_stats()
         return stats
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        """Per rank of an expert-parallel group (rank 0 first): the experts it owns, its
+        slots, its tier counters (hits, bytes over its link, exposed fetch) and its collective
+        time; [] for one rank."""
+        runner = self.engine.runner
+        if runner.parallel is None:
+            return []
+        runner.parallel.send(("stats",))
+        ranks = runner.parallel.gather(runner.rank_stats())
+        assert ranks is not None
+        return ranks

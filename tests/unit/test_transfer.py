@@ -35,6 +35,7 @@ class FakeCopier:
         self.log: list[str] = []
         self.events: list[FakeEvent] = []
         self.waited: list[FakeEvent] = []
+        self.syncing = threading.Event()  # set once a thread has entered `synchronize`
         self.lock = threading.Lock()
 
     def copy(self, chunks: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Any) -> FakeEvent:
@@ -56,6 +57,7 @@ class FakeCopier:
         self.waited.append(event)
 
     def synchronize(self, event: Any) -> None:
+        self.syncing.set()
         assert event.done.wait(5.0), "test never completed the chunk"
 
     def complete_all(self) -> None:
@@ -208,9 +210,7 @@ def test_paused_engine_issues_nothing_and_its_thread_makes_no_call() -> None:
     copier = FakeCopier(tags)
     engine = TransferEngine(copier, chunk_bytes=16, window=1, background=True)
     engine.submit("A", dst[0], src[0], PREFETCH)
-    deadline = time.monotonic() + 5.0
-    while not copier.log and time.monotonic() < deadline:
-        time.sleep(0.001)
+    assert copier.syncing.wait(5.0)  # the pump thread is inside its wait on A0's event
     held, release = threading.Event(), threading.Event()
     seen: list[list[str]] = []
 

@@ -33,6 +33,8 @@ from moetier.offload.builder import TierPlan, build_tiers
 from moetier.offload.expert_cache import ExpertCache
 from moetier.offload.prefetcher import Prefetcher, build_prefetcher
 from moetier.offload.stats import OffloadStats
+from moetier.parallel.group import StepPlan
+from moetier.parallel.launch import join
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import fp8_block
@@ -159,6 +161,17 @@ def _non_expert_bytes(family: Any, hf_config: Any, dtype: torch.dtype) -> int:
     return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
 
 
+def _check_parallel(config: EngineConfig) -> None:
+    """Settings expert parallelism does not combine with yet: errors that say what to drop."""
+    why = None
+    if config.offload.device_cache:
+        why = "--device-cache (misses resolved on one device)"
+    elif config.memory.gpu_memory is not None:
+        why = "--gpu-memory (its split counts one device's experts); use --expert-budget"
+    if why is not None:
+        raise ConfigError(f"--expert-parallel-size > 1 cannot be combined with {why}")
+
+
 def _new_tokens(s: ScheduledRequest) -> list[int]:
     """The token ids a scheduled request adds this step."""
     start = s.request.num_computed_tokens
@@ -187,12 +200,23 @@ class ModelRunner:
         self.max_model_len = config.cache.max_model_len or int(
             getattr(self.hf_config, "max_position_embeddings", None) or 2048
         )
+        # Expert parallelism: this rank serves only the experts its placement gives it.
+        self.parallel = join(config, layout.layers, self.num_experts)
+        if self.parallel is not None:
+            _check_parallel(config)
+            layout.owns = self.parallel.owns
         offload_cfg, cache_cfg, split = self._split_memory(config, layout)
         self.stats = OffloadStats()
         self.expert_cache: ExpertCache
         self.tier_plan: TierPlan
         self.expert_cache, self.tier_plan = build_tiers(
-            layout, offload_cfg, self.device, self.dtype, self.top_k, self.stats, config.progress
+            layout,
+            offload_cfg,
+            self.device,
+            self.dtype,
+            self._min_slots(layout),
+            self.stats,
+            config.progress,
         )
         kernels = self.device.type == "cuda" and triton_available()
         grouped = config.moe_grouped_kernel
@@ -206,6 +230,10 @@ class ModelRunner:
             stream = 0.9 if self.device.type == "cuda" else 0.0
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
+        if self.parallel is not None:
+            # Each rank computes its experts' (token, k) terms for the exchange: the per-expert
+            # loop; its own experts are few, so the next layer is not streamed either.
+            grouped, slot_kernel, stream = False, 0, 0.0
         kernel_layout = slot_layout(self.expert_cache.packing)
         mxfp4 = kernel_layout is not None and any(
             MXFP4 in (v.gate_up_format, v.down_format) for v in kernel_layout.values()
@@ -226,6 +254,7 @@ class ModelRunner:
             block.slot_layout = None if kernel_layout is None else kernel_layout[block.layer]
             block.stream_share = stream
             block.next_layer = blocks[i + 1].layer if i + 1 < len(blocks) else None
+            block.expert_parallel = self.parallel
         if self.expert_cache.device_cache is not None:
             self._check_device_cache(config, kernel_layout)
             # one step's (token, expert) pairs at most: routing observers read them after it
@@ -290,6 +319,15 @@ class ModelRunner:
             and self.state_cache is None
         ):
             self.prefill_graphs = PrefillGraphs(self, config.prefill_graph_max_tokens)
+
+    def _min_slots(self, layout: ExpertLayout) -> int:
+        """The fewest slots one step can run with: top-k, or on an expert-parallel rank the
+        most experts of one layer it owns when fewer."""
+        if self.parallel is None:
+            return self.top_k
+        placement, rank = self.parallel.placement, self.parallel.rank
+        owned = max(len(placement.experts_of(rank, la)) for la in layout.layers)
+        return max(1, min(self.top_k, owned))
 
     def _split_memory(
         self, config: EngineConfig, layout: ExpertLayout
@@ -362,41 +400,70 @@ class ModelRunner:
 
         Blocks for the scheduled tokens are allocated here when the scheduler has not already
         (a no-op for scheduled requests); K/V written by a step that raises sits beyond each
-        request's progress counter and is overwritten when the request runs again.
+        request's progress counter and is overwritten when the request runs again. With expert
+        parallelism the step's plan goes to every other rank first, and they run it too.
         """
-        cache = self.expert_cache
-        if self.prefetcher is not None or cache.wants_routing:
-            # each token's request, for the predictor and the slot policy
-            requests = [
-                s.request.request_id for s in batch.scheduled for _ in range(s.num_new_tokens)
-            ]
-            if self.prefetcher is not None:
-                self.prefetcher.token_requests = requests
-            if cache.wants_routing:
-                cache.token_requests = requests
         if self.prefetcher is not None and self.prefetcher.hash_routes is not None:
             # hash-routed layers' experts follow from the token ids, host ints here: no sync
             self.prefetcher.begin_step([t for s in batch.scheduled for t in _new_tokens(s)])
+        if self.graphs is not None or self.prefill_graphs is not None:
+            self._token_requests(
+                [(s.request.request_id, s.num_new_tokens) for s in batch.scheduled]
+            )
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None and graphs.qualifies(batch):
                 logits = graphs.run(batch)
                 if logits is not None:
                     return logits
+        plan = self._plan(batch)
+        if self.parallel is not None:
+            self.parallel.send_step(plan)
+        logits = self._run(plan)
+        assert logits is not None
+        return logits
+
+    def _plan(self, batch: SchedulerOutput) -> StepPlan:
+        """The step as plain data (blocks allocated here): what every rank runs."""
+        blocks = self.kv_cache.blocks
+        spans: list[tuple[int, int, list[int]]] = []
+        tables: dict[int, list[int]] = {}
+        state_slots: dict[int, int] = {}
+        for s in batch.scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            chunk = _new_tokens(s)
+            blocks.allocate(r.request_id, start + len(chunk))
+            spans.append((r.request_id, start, chunk))
+            if self.parallel is not None:
+                tables[r.request_id] = list(blocks.tables[r.request_id])
+                if self.state_cache is not None:
+                    state_slots[r.request_id] = self.state_cache.slots.assign(r.request_id)
+        return StepPlan(spans, tables, [s.samples for s in batch.scheduled], state_slots)
+
+    def _token_requests(self, spans: list[tuple[int, int]]) -> None:
+        """Each token's request (spans: (request id, tokens)), for the predictor and the slot
+        policy."""
+        cache = self.expert_cache
+        if self.prefetcher is not None or cache.wants_routing:
+            requests = [rid for rid, n in spans for _ in range(n)]
+            if self.prefetcher is not None:
+                self.prefetcher.token_requests = requests
+            if cache.wants_routing:
+                cache.token_requests = requests
+
+    def _run(self, plan: StepPlan, logits: bool = True) -> torch.Tensor | None:
+        """The forward of a planned step; the sampling rows' logits (None: `logits` False)."""
+        self._token_requests([(seq, len(chunk)) for seq, _, chunk in plan.spans])
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
         kv_spans: list[tuple[int, int, int]] = []
         last_rows: list[int] = []
-        blocks = self.kv_cache.blocks
-        for s in batch.scheduled:
-            r, start = s.request, s.request.num_computed_tokens
-            chunk = _new_tokens(s)
-            blocks.allocate(r.request_id, start + len(chunk))
-            spans.append(SeqSpan(r.request_id, len(ids), len(ids) + len(chunk), start))
-            kv_spans.append((r.request_id, start, len(chunk)))
+        for (seq, start, chunk), samples in zip(plan.spans, plan.samples):
+            spans.append(SeqSpan(seq, len(ids), len(ids) + len(chunk), start))
+            kv_spans.append((seq, start, len(chunk)))
             ids.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
-            if s.samples:
+            if samples:
                 last_rows.append(len(ids) - 1)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
@@ -410,8 +477,33 @@ class ModelRunner:
             for graphs in (self.graphs, self.prefill_graphs):
                 if graphs is not None:  # a failed capture left this step's routing staged
                     graphs.unstage()
+        if not logits:
+            return None
         rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])  # [N, V]
+
+    @torch.inference_mode()
+    def run_remote(self, plan: StepPlan) -> None:
+        """A rank other than 0: run the step rank 0 planned, with its block tables and state
+        slots (this rank's block manager and slot allocator only hold what the step names)."""
+        for seq in plan.ended:
+            self.end_request(seq)
+        self.kv_cache.blocks.tables = dict(plan.tables)
+        if self.state_cache is not None:
+            self.state_cache.slots.slot_of = dict(plan.state_slots)
+        self._run(plan, logits=False)
+        self.after_step()
+
+    def rank_stats(self) -> dict[str, Any]:
+        """This rank's expert-tier counters and collective time (offload_stats' `ranks`)."""
+        assert self.parallel is not None
+        return {
+            "rank": self.parallel.rank,
+            "owned_experts": self.tier_plan.total_experts,
+            "device_slots": self.tier_plan.device_slots,
+            **self.stats.to_dict(),
+            **self.parallel.stats.to_dict(),
+        }
 
     def free(self, request_id: int) -> int:
         """Free the request's KV blocks (and its state slot); the number of blocks freed."""
@@ -421,7 +513,9 @@ class ModelRunner:
 
     def end_request(self, request_id: int) -> None:
         """The request is finished, aborted or failed: the slot policy and the predictor may
-        learn from it."""
+        learn from it (every rank's: the next step tells the others)."""
+        if self.parallel is not None and self.parallel.rank == 0:
+            self.parallel.ended.append(request_id)
         self.expert_cache.end_request(request_id)
         if self.prefetcher is not None:
             self.prefetcher.end_request(request_id)

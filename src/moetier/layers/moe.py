@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from moetier.kernels.expert_ffn import SILU, ExpertMath, expert_ffn, sum_dtype
 from moetier.kernels.grouped_ffn import grouped_ffn
 from moetier.kernels.slot_layout import SlotLayout
 from moetier.offload.types import ExpertBatch, ExpertProvider
+
+if TYPE_CHECKING:
+    from moetier.parallel.group import ExpertParallel
 
 # Legend: T tokens, E experts, K top-k, D hidden, I expert intermediate.
 
@@ -89,6 +92,10 @@ class MoEBlock(nn.Module):
         # flat host expert ids [T*K], router input [T, D] or None); the prefetcher attaches here
         # (offload/prefetcher.py). Never called on the all-resident path.
         self.prefetcher: Callable[[int, list[int], torch.Tensor | None], None] | None = None
+        # Expert parallelism (parallel/group.py, set by the model runner): this rank computes
+        # the (token, k) terms of its own experts only, one exchange gives every rank all of
+        # them, and each adds them as one device would. None = every expert is computed here.
+        self.expert_parallel: ExpertParallel | None = None
 
     # The switches read off for a block whose experts the kernels do not compute (`kernel_act`
     # None), whatever the runner sets, so the block never claims a kernel path it does not
@@ -147,6 +154,8 @@ class MoEBlock(nn.Module):
         assert provider is not None, "expert provider not attached"
         pairs = ids.numel()
         kernel = pairs > 0 and (pairs <= self.slot_kernel_max_pairs or self.grouped_kernel)
+        if self.expert_parallel is not None:
+            return self._parallel(x, ids, weights, provider)
         if kernel and self.splitter is not None:
             out: torch.Tensor = self.splitter.split(self, x, ids, weights)
             return out
@@ -195,6 +204,57 @@ class MoEBlock(nn.Module):
             return self.compute(x, batch.pool, dev_slots, weights.gather(1, order), ids)
         finally:
             provider.release(batch)
+
+    def _parallel(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
+    ) -> torch.Tensor:
+        """One MoE call on an expert-parallel rank: this rank's experts' terms (the per-expert
+        loop, its own experts in waves), every rank's terms by one exchange, then each token's
+        terms added in ascending expert order (or its K terms summed at once, `topk_sum`), the
+        adds one device makes."""
+        ep = self.expert_parallel
+        assert ep is not None
+        k = ids.shape[1]
+        t0 = time.perf_counter()
+        flat = ids.flatten().cpu()  # [T*K]
+        provider.count_routing_sync(time.perf_counter() - t0)
+        host_ids: list[int] = flat.tolist()
+        if self.route_observer is not None:
+            self.route_observer(self.layer, host_ids, k)
+        terms = x.new_zeros(x.shape[0], k, x.shape[1])  # [T, K, D]: zero bits = another rank's
+        counts = torch.bincount(flat, minlength=1).tolist()
+        mine = [e for e, c in enumerate(counts) if c and ep.owns(self.layer, e)]
+        if mine:
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + c)
+            order = torch.argsort(flat, stable=True).to(x.device, non_blocking=True)
+            tokens, kpos = order // k, order % k
+            provider.count_routed(sum(counts[e] for e in mine), len(mine))
+            routing = (
+                [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
+                if provider.wants_routing
+                else None
+            )
+            for w0 in range(0, len(mine), provider.max_batch):
+                batch = provider.fetch(self.layer, mine[w0 : w0 + provider.max_batch], routing)
+                routing = None
+                try:
+                    if w0 + provider.max_batch >= len(mine):
+                        self._prefetch(host_ids, x)
+                    spans = [(offsets[e], offsets[e + 1]) for e in batch.experts]
+                    self._wave_loop(x, terms, batch, spans, tokens, kpos, weights, terms)
+                finally:
+                    provider.release(batch)
+        terms = ep.exchange(terms)
+        if self.topk_sum:
+            return terms.sum(dim=1)
+        out = x.new_zeros(x.shape)
+        by_expert = ids.sort(dim=-1).indices  # [T, K] each token's terms, ascending expert
+        ordered = terms.gather(1, by_expert[:, :, None].expand(-1, -1, x.shape[1]))
+        for j in range(k):
+            out += ordered[:, j]
+        return out
 
     def slot_wave(
         self,

@@ -64,7 +64,7 @@ def plan_tiers(
     layout: ExpertLayout, cfg: OffloadConfig, dtype: torch.dtype, top_k: int, device: torch.device
 ) -> TierPlan:
     expert_bytes = expert_slot_bytes(layout, dtype)
-    total = len(layout.layers) * layout.num_experts
+    total = layout.total
     routed = expert_bytes * total
     slots = budget_slots(cfg.expert_budget, expert_bytes, total, top_k)
     host_default = None if device.type == "cuda" else 0
@@ -100,7 +100,8 @@ def build_tiers(
         )
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)
-            cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
+            if layout.owns is None:  # a rank's share of the experts has no full table
+                cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         elif cfg.device_cache:
             cache.device_cache = _device_cache(cache, layout, plan, cfg)
         return cache
@@ -157,14 +158,14 @@ def _device_cache(
 
 def _preload_all(cache: ExpertCache, layout: ExpertLayout, progress: bool) -> None:
     """Every expert fits: fill all slots now so no step waits for a load."""
-    bar = tqdm(layout.layers, desc="Placing experts on device", unit="layer", disable=not progress)
-    for layer in bar:
-        for e in range(layout.num_experts):
-            batch = cache.fetch(layer, [e])
-            cache.release(batch)
+    keys = layout.owned()
+    bar = tqdm(keys, desc="Placing experts on device", unit="expert", disable=not progress)
+    for layer, e in bar:
+        batch = cache.fetch(layer, [e])
+        cache.release(batch)
     if cache.cuda:
         torch.cuda.synchronize(cache.device)
-    assert all(ExpertKey(la, 0) in cache.slot_of for la in layout.layers)
+    assert all(ExpertKey(la, e) in cache.slot_of for la, e in keys)
 
 
 def _lower_budget(cfg: OffloadConfig, plan: TierPlan, free_total: tuple[int, int] | None) -> str:

@@ -259,6 +259,9 @@ class ExpertCache:
 
         Called after the current layer's fetch: its unpinned loads still in progress are stale
         and are cancelled first."""
+        owns = self.host.layout.owns  # expert parallelism: another rank's experts are its own
+        if owns is not None:
+            experts = [e for e in experts if owns(layer, e)]
         if self._resident_table is not None or not experts:
             return 0
         self._advance()

@@ -118,7 +118,7 @@ class HostTier:
         self.stats = stats
         self.packing = layout.packing(dtype)  # rows hold experts as stored (formats.py)
         self.numel = self.packing.numel
-        self.total = len(layout.layers) * layout.num_experts
+        self.total = layout.total
         self.capacity = min(capacity, self.total)
         # With no host capacity, two staging rows let a read overlap the previous copy.
         rows = self.capacity if self.capacity > 0 else 2
@@ -140,9 +140,7 @@ class HostTier:
         return self.pool.numel() * self.pool.element_size() if self.capacity else 0
 
     def _preload(self, progress: bool) -> None:
-        keys = [
-            ExpertKey(la, e) for la in self.layout.layers for e in range(self.layout.num_experts)
-        ]
+        keys = [ExpertKey(la, e) for la, e in self.layout.owned()]
         bar = tqdm(keys, desc="Loading experts into RAM", unit="expert", disable=not progress)
         for key in bar:
             row = self.free.pop()

@@ -15,6 +15,7 @@ no device placement.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,27 @@ class ExpertLayout:
             layer: self._find(layer, cands) for layer, cands in prefixes.items()
         }
         self.shape = self._infer_shape()
+        # Expert parallelism (parallel/): the (layer, expert) -> owning rank test of this
+        # rank's placement; None = every expert is this process's. The tiers hold, preload and
+        # count only the experts it owns.
+        self.owns: Callable[[int, int], bool] | None = None
+
+    def owned(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every routed expert this process serves, layer-major."""
+        owns = self.owns
+        return [
+            (la, e)
+            for la in self.layers
+            for e in range(self.num_experts)
+            if owns is None or owns(la, e)
+        ]
+
+    @property
+    def total(self) -> int:
+        """Routed experts this process serves (every expert unless expert parallelism)."""
+        if self.owns is None:
+            return len(self.sources) * self.num_experts
+        return len(self.owned())
 
     def _find(self, layer: int, candidates: list[str]) -> _LayerSource:
         for prefix in candidates:

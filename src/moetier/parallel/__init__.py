@@ -1,0 +1,1 @@
+"""Expert parallelism: routed experts spread over ranks (torch.distributed), one process each."""
