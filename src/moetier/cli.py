@@ -21,6 +21,7 @@ from moetier.config import (
 )
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import ConfigError, MoetierError
+from moetier.parallel.args import add_parallel_args, parallel_kwargs
 from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
 from moetier.threads import THREADS_HELP, threads_arg
 
@@ -69,6 +70,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP
     )
+    add_parallel_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # one prompt, one sequence: --gpu-memory gives the KV one full-length sequence and the
         # experts the rest (the trace objective assumes a server keeping many running)
         max_num_seqs=1,
+        **parallel_kwargs(args),
     )
     load_s = time.perf_counter() - start
     has_template = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)

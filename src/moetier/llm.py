@@ -6,6 +6,7 @@ Owns tokenization of string prompts and the run-to-completion loop; the engine d
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,6 +29,7 @@ from moetier.config import (
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
 from moetier.errors import ConfigError, DeviceMemoryError
+from moetier.parallel.group import torchrun_rank
 from moetier.parallel.launch import Workers, rank_config, start_group
 from moetier.threads import check_threads
 
@@ -221,6 +223,13 @@ class LLM:
             prefill_graph_max_tokens=prefill_graph_max_tokens,
             threads=threads,
         )
+        follower = torchrun_rank()
+        if self.config.parallel.expert_parallel_size > 1 and follower not in (None, 0):
+            # a rank other than 0 that torchrun started: follow rank 0, then end the process
+            from moetier.parallel.worker import run_worker
+
+            with torch.inference_mode():
+                raise SystemExit(run_worker(self.config))
         self.tokenizer = load_tokenizer(model)
         self._workers = start_group(self.config)
         if self._workers is not None:
@@ -242,6 +251,17 @@ class LLM:
         cannot generate after it."""
         if self._workers is not None:
             self._closer()
+
+    def parallel_failure(self) -> str | None:
+        """Why the expert-parallel group can no longer run steps (naming the rank that exited,
+        when this process started it), or None while it can (always None for one rank)."""
+        parallel = self.engine.runner.parallel
+        if parallel is None or parallel.broken is None:
+            return None
+        assert self._workers is not None
+        time.sleep(0.2)  # a rank that just died: let its exit be seen
+        dead = self._workers.why_dead()
+        return parallel.broken if dead is None else f"{dead}; {parallel.broken}"
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

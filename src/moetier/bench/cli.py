@@ -13,6 +13,7 @@ from typing import Any
 
 from moetier.bench.synthetic import FORMATS
 from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
+from moetier.parallel.args import add_parallel_args, parallel_kwargs
 from moetier.threads import threads_arg
 
 
@@ -86,6 +87,7 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def _add_latency_args(p: argparse.ArgumentParser) -> None:
+    add_parallel_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="Hugging Face model directory")
     src.add_argument(
@@ -317,9 +319,12 @@ def latency_settings(args: argparse.Namespace) -> Any:
         profile_steps=args.profile_steps,
         accelerate_output_len=args.accelerate_output_len,
         save_trace=args.save_trace,
-        llm_kwargs=_with_kv_dtype(
-            _with_prefetch(latency_llm_kwargs(args.set), args.prefetch), args.kv_cache_dtype
-        ),
+        llm_kwargs={
+            **_with_kv_dtype(
+                _with_prefetch(latency_llm_kwargs(args.set), args.prefetch), args.kv_cache_dtype
+            ),
+            **parallel_kwargs(args),
+        },
         progress=not args.no_progress,
     )
 

@@ -204,7 +204,15 @@ def run_budget(
 ) -> list[ConfigRun]:
     """Load the model once at `budget` and measure it under each routing in turn."""
     from moetier import LLM
+    from moetier.errors import ConfigError
 
+    if s.llm_kwargs.get("expert_parallel_size", 1) > 1 and any(src for _, src in routings):
+        # every rank routes with its own replicated routers; an override on rank 0 only would
+        # make the ranks compute different experts
+        raise ConfigError(
+            "bench latency --expert-parallel-size runs the model's own routers: pass "
+            "--routing model"
+        )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     t_load = time.perf_counter()
@@ -240,6 +248,7 @@ def run_budget(
             runs[0].metrics["greedy_tokens"] = greedy
         return runs
     finally:
+        llm.close()  # an expert-parallel group's other ranks exit
         del llm
         gc.collect()
         if torch.cuda.is_available():

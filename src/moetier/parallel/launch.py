@@ -122,11 +122,29 @@ def _tail(path: Path, lines: int = 6) -> str:
     return " | ".join(text[-lines:]) or "(empty log)"
 
 
+def _check_experts(model: str, size: int) -> None:
+    """More ranks than experts in a layer is an error before any rank starts (a config that
+    cannot be read is left to the engine's load, which names the file)."""
+    from moetier.engine.model_runner import load_model_config
+    from moetier.layers.moe import moe_config
+
+    try:
+        experts = moe_config(load_model_config(Path(model)))[0]
+    except Exception:  # noqa: BLE001 - reported by the load, with the file's name
+        return
+    if size > experts:
+        raise ConfigError(
+            f"--expert-parallel-size {size} is more ranks than the model has experts in a "
+            f"layer ({experts}): use at most {experts}"
+        )
+
+
 def start_group(config: EngineConfig) -> Workers | None:
     """Rank 0: join (or start) the group `config.parallel` asks for; None for one rank."""
     size = config.parallel.expert_parallel_size
     if size == 1:
         return None
+    _check_experts(config.model, size)
     timeout = timedelta(seconds=config.parallel.timeout_s)
     backend = backend_of(config)
     if dist.is_initialized():

@@ -25,6 +25,7 @@ from moetier.config import (
     STREAM_EVICTION_HELP,
 )
 from moetier.errors import ConfigError
+from moetier.parallel.args import add_parallel_args, parallel_kwargs
 from moetier.threads import THREADS_HELP, threads_arg
 from moetier.tools.parsers import tool_parsers
 
@@ -74,6 +75,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=STREAM_EVICTION_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
+    add_parallel_args(p)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes "
                    "(default: $MOETIER_API_KEY)")  # fmt: skip
     p.add_argument(_PUBLIC_FLAG, action="store_true",
@@ -215,6 +217,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory=args.gpu_memory,
         routing_trace=args.routing_trace,
+        **parallel_kwargs(args),
     )
 
 
@@ -223,9 +226,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from moetier.llm import load_tokenizer
     from moetier.metrics import ServerMetrics
+    from moetier.parallel.group import torchrun_rank
     from moetier.server.app import ServerSettings, create_app
-    from moetier.server.engine_process import EngineClient
+    from moetier.server.engine_process import EngineClient, build_llm
 
+    if args.expert_parallel_size > 1 and torchrun_rank() not in (None, 0):
+        build_llm(_engine_args(args))  # torchrun's other ranks follow rank 0's engine, then exit
+        return 0
     server_cls = _graceful_server_class()
     api_key = args.api_key or os.environ.get("MOETIER_API_KEY") or None
     check_bind(args.host, api_key, args.allow_public_without_key)

@@ -54,6 +54,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     gpu_memory: str | None = None
     routing_trace: str | None = None
+    expert_parallel_size: int = 1
+    expert_placement: str = "round-robin"
+    placement_trace: str | None = None
 
 
 @dataclass
@@ -96,38 +99,47 @@ class Shutdown:
     pass
 
 
+def build_llm(args: EngineArgs) -> Any:
+    """The engine process's LLM (under torchrun, on a rank other than 0, it follows rank 0
+    and ends the process instead of returning)."""
+    from moetier.llm import LLM
+
+    return LLM(
+        args.model,
+        expert_budget=args.expert_budget,
+        host_budget=args.host_budget,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        policy=args.policy,
+        prefetch=args.prefetch,
+        prefetch_ahead=args.prefetch_ahead,
+        device_cache=args.device_cache,
+        stream_eviction=args.stream_eviction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        progress=False,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_block_size=args.kv_block_size,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory=args.gpu_memory,
+        routing_trace=args.routing_trace,
+        expert_parallel_size=args.expert_parallel_size,
+        expert_placement=args.expert_placement,
+        placement_trace=args.placement_trace,
+    )
+
+
 def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> None:
     """Entry point of the engine process: load, say ready (or fatal), then serve commands."""
     logging.basicConfig(level=log_level, format="%(levelname)s engine %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the server stops the engine with Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from moetier.llm import LLM
-
     try:
-        llm = LLM(
-            args.model,
-            expert_budget=args.expert_budget,
-            host_budget=args.host_budget,
-            device=args.device,
-            dtype=args.dtype,
-            seed=args.seed,
-            policy=args.policy,
-            prefetch=args.prefetch,
-            prefetch_ahead=args.prefetch_ahead,
-            device_cache=args.device_cache,
-            stream_eviction=args.stream_eviction,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            progress=False,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_block_size=args.kv_block_size,
-            max_model_len=args.max_model_len,
-            threads=args.threads,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype,
-            gpu_memory=args.gpu_memory,
-            routing_trace=args.routing_trace,
-        )
+        llm = build_llm(args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which exits
         out_q.put(("fatal", f"{type(exc).__name__}: {exc}"))
         return
@@ -142,12 +154,16 @@ def engine_main(args: EngineArgs, cmd_q: Any, out_q: Any, log_level: int) -> Non
         "expert_bytes": eng.runner.tier_plan.expert_bytes,
         "split_reason": eng.runner.memory_split.reason,
         "max_num_seqs": llm.config.scheduler.max_num_seqs,
+        "expert_parallel_size": llm.config.parallel.expert_parallel_size,
     }
     out_q.put(("ready", info))
-    _serve(eng, cmd_q, out_q)
+    _serve(eng, cmd_q, out_q, llm.parallel_failure)
 
 
-def _serve(eng: Any, cmd_q: Any, out_q: Any) -> None:
+def _serve(eng: Any, cmd_q: Any, out_q: Any, broken: Any = lambda: None) -> None:
+    """The command and step loop. `broken()`: why the engine can no longer run steps (an
+    expert-parallel rank failed), checked after each step: the server is told (it answers
+    503 to every request from then on) and the loop ends."""
     last_stats = 0.0
     parent = os.getppid()
     while True:
@@ -173,6 +189,10 @@ def _serve(eng: Any, cmd_q: Any, out_q: Any) -> None:
                 deltas = eng.step()
             except Exception:  # a bug outside the step's own guard: stop, the server reports it
                 log.exception("engine loop failed")
+                return
+            why = broken()
+            if why is not None:
+                out_q.put(("broken", why))  # the step's requests end with it (503)
                 return
             if deltas:
                 out_q.put(("deltas", deltas))
@@ -314,6 +334,10 @@ class EngineClient:
             stream = self.streams.pop(msg[1].request_id, None)
             if stream is not None:
                 stream.queue.put_nowait((stream.index, msg[1]))
+        elif kind == "broken":  # the engine cannot run steps (an expert-parallel rank failed)
+            self.dead = msg[1]
+            log.error("engine stopped: %s", self.dead)
+            self.end_all(self.dead)
         elif kind == "fault":
             self.failed_requests += msg[1]
             self.last_fault = (time.monotonic(), msg[2])
