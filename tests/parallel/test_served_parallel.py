@@ -6,7 +6,6 @@ requests answer 503 with it, and the server stops cleanly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -17,32 +16,14 @@ import httpx
 import pytest
 
 from tests.models.families import FAMILIES
-from tests.models.parity import hf_greedy, hf_model
-from tests.server.conftest import launch_server, stop_server, wait_idle, wait_until_up
-from tests.server.test_family_parity_served import CRAMPED, KV_BLOCKS, NEW, PROMPTS, _complete_all
+from tests.server.conftest import launch_server, stop_server, wait_until_up
+from tests.server.test_family_parity_served import check_served
 from tests.server.tiny import VOCAB, save_byte_tokenizer
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "qwen3_5_moe"])
 def test_served_two_ranks_equal_transformers(family: str, tmp_path: Path) -> None:
-    path = FAMILIES[family].checkpoint(tmp_path / family, vocab_size=VOCAB)
-    save_byte_tokenizer(path)
-    server = launch_server(path, tmp_path / "server.log", *CRAMPED, "--expert-parallel-size", "2")
-    try:
-        ref = hf_model(path)  # while the server loads
-        want = [hf_greedy(ref, p, NEW) for p in PROMPTS]
-        del ref
-        wait_until_up(server)
-        got = asyncio.run(_complete_all(server))
-        for prompt, tokens, expected in zip(PROMPTS, got, want):
-            assert tokens == expected, f"token mismatch for the {len(prompt)}-token prompt"
-        health = wait_idle(server)
-        assert health["status"] == "ok" and health["kv_blocks_used"] == 0, health
-        assert health["kv_blocks_total"] == KV_BLOCKS, health
-        assert health["num_preemptions"] > 0, health
-    finally:
-        code = stop_server(server)
-    assert code == 0, server.log()
+    check_served(family, tmp_path, "--expert-parallel-size", "2")
 
 
 def _rank_pid(server_pid: int) -> int:

@@ -68,11 +68,12 @@ async def _complete_all(server: LiveServer) -> list[list[int]]:
         return list(await asyncio.gather(*(one(client, p) for p in PROMPTS)))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_served_concurrent_preempted_equal_transformers(family: str, tmp_path: Path) -> None:
+def check_served(family: str, tmp_path: Path, *extra: str) -> None:
+    """`moetier serve` of the family's checkpoint with CRAMPED (and `extra`) settings answers
+    every PROMPTS completion with transformers' greedy tokens, preempting, and ends idle."""
     path = FAMILIES[family].checkpoint(tmp_path / family, vocab_size=VOCAB)
     save_byte_tokenizer(path)
-    server = launch_server(path, tmp_path / "server.log", *CRAMPED)
+    server = launch_server(path, tmp_path / "server.log", *CRAMPED, *extra)
     try:
         ref = hf_model(path)  # while the server loads
         want = [hf_greedy(ref, p, NEW) for p in PROMPTS]
@@ -88,3 +89,8 @@ def test_served_concurrent_preempted_equal_transformers(family: str, tmp_path: P
     finally:
         code = stop_server(server)
     assert code == 0, server.log()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_served_concurrent_preempted_equal_transformers(family: str, tmp_path: Path) -> None:
+    check_served(family, tmp_path)
