@@ -425,10 +425,4 @@ class LLM:
         """Per rank of an expert-parallel group (rank 0 first): the experts it owns, its
         slots, its tier counters (hits, bytes over its link, exposed fetch) and its collective
         time; [] for one rank."""
-        runner = self.engine.runner
-        if runner.parallel is None:
-            return []
-        runner.parallel.send(("stats",))
-        ranks = runner.parallel.gather(runner.rank_stats())
-        assert ranks is not None
-        return ranks
+        return self.engine.runner.all_rank_stats()

@@ -169,6 +169,60 @@ _GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# Per-rank snapshot keys "rank{r}.{key}" (expert parallelism, engine.py RANK_METRIC_KEYS) ->
+# (metric name, help, labels besides model_name and rank); counters unless listed as gauges.
+_RANK_METRICS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "device_hits": (
+        "moetier:rank_expert_hits",
+        "Expert lookups of a rank by tier",
+        {"tier": "device"},
+    ),
+    "host_hits": ("moetier:rank_expert_hits", "Expert lookups of a rank by tier", {"tier": "host"}),
+    "disk_reads": (
+        "moetier:rank_expert_hits",
+        "Expert lookups of a rank by tier",
+        {"tier": "disk"},
+    ),
+    "bytes_host_to_device": (
+        "moetier:rank_expert_bytes",
+        "Expert bytes a rank moved",
+        {"path": "host_to_device"},
+    ),
+    "bytes_disk_to_host": (
+        "moetier:rank_expert_bytes",
+        "Expert bytes a rank moved",
+        {"path": "disk_to_host"},
+    ),
+    "exposed_fetch_s": (
+        "moetier:rank_expert_exposed_fetch_seconds",
+        "Time a rank's compute waited for experts",
+        {},
+    ),
+    "collective_calls": ("moetier:rank_collectives", "MoE-layer exchanges of a rank", {}),
+    "collective_s": ("moetier:rank_collective_seconds", "Time a rank spent in exchanges", {}),
+    "collective_bytes": ("moetier:rank_collective_bytes", "Bytes a rank contributed", {}),
+    "owned_experts": ("moetier:rank_owned_experts", "Routed experts a rank owns", {}),
+    "device_slots": ("moetier:rank_device_slots", "Expert slots of a rank", {}),
+}
+_RANK_GAUGES = {"owned_experts", "device_slots"}
+
+
+def _rank_families(model: str, snap: Mapping[str, float]) -> Iterator[Metric]:
+    """The per-rank families of a snapshot, one sample per (rank, labels)."""
+    fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for full, value in sorted(snap.items()):
+        rank, dot, key = full.partition(".")
+        if not dot or not rank.startswith("rank") or key not in _RANK_METRICS:
+            continue
+        name, doc, labels = _RANK_METRICS[key]
+        fam = fams.get(name)
+        if fam is None:
+            cls = GaugeMetricFamily if key in _RANK_GAUGES else CounterMetricFamily
+            fam = fams[name] = cls(name, doc, labels=["model_name", "rank", *labels])
+        fam.add_metric([model, rank.removeprefix("rank"), *labels.values()], float(value))
+    yield from fams.values()
+
+
 class _SnapshotCollector(Collector):
     """Yields counters and gauges from the latest engine snapshot (replaced, never merged)."""
 
@@ -196,6 +250,7 @@ class _SnapshotCollector(Collector):
                 gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
                 gauge.add_metric([self.model_name], float(snap[key]))
                 yield gauge
+        yield from _rank_families(self.model_name, snap)
 
 
 class ServerMetrics:

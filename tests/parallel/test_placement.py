@@ -73,3 +73,34 @@ def test_checkpoint_fingerprint_tells_checkpoints_apart(tmp_path: Path) -> None:
     assert checkpoint_fingerprint(str(a)) != checkpoint_fingerprint(str(b))
     (b / "model.safetensors").write_bytes(b"\1" * 10)  # same names and sizes: same print
     assert checkpoint_fingerprint(str(a)) == checkpoint_fingerprint(str(b))
+
+
+def test_rank_counters_reach_metrics_with_a_rank_label() -> None:
+    import prometheus_client
+
+    from moetier.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.update_engine(
+        {
+            "device_hits": 5.0,
+            "rank0.device_hits": 3.0,
+            "rank1.device_hits": 2.0,
+            "rank1.bytes_host_to_device": 4096.0,
+            "rank0.owned_experts": 8.0,
+            "rank1.owned_experts": 8.0,
+            "rank1.collective_s": 0.25,
+            "rankx": 1.0,
+            "rank0.unknown_key": 1.0,
+        }  # fmt: skip
+    )
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    lines = {ln for ln in text.splitlines() if ln.startswith("moetier:rank_")}
+    assert lines == {
+        'moetier:rank_expert_hits_total{model_name="m",rank="0",tier="device"} 3.0',
+        'moetier:rank_expert_hits_total{model_name="m",rank="1",tier="device"} 2.0',
+        'moetier:rank_expert_bytes_total{model_name="m",path="host_to_device",rank="1"} 4096.0',
+        'moetier:rank_owned_experts{model_name="m",rank="0"} 8.0',
+        'moetier:rank_owned_experts{model_name="m",rank="1"} 8.0',
+        'moetier:rank_collective_seconds_total{model_name="m",rank="1"} 0.25',
+    }

@@ -48,6 +48,14 @@ def test_killed_rank_gives_503_naming_it_and_a_clean_stop(tmp_path: Path) -> Non
         launch_server(path, tmp_path / "server.log", "--expert-parallel-size", "2")
     )
     try:
+        owned = FAMILIES["qwen3_moe"].routed_experts // 2  # round-robin over 2 ranks
+        want = {
+            f'moetier:rank_owned_experts{{model_name="m",rank="{r}"}} {owned:.1f}' for r in (0, 1)
+        }
+        deadline = time.monotonic() + 20
+        while not want <= set(httpx.get(f"{server.url}/metrics").text.splitlines()):
+            assert time.monotonic() < deadline, "no per-rank metrics"
+            time.sleep(0.2)
         body = {"model": server.model, "prompt": [1, 2, 3], "max_tokens": 240, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         events: list[str] = []

@@ -301,6 +301,7 @@ def measure(
         for w in range(s.warmup):
             driver.run(warm_prompts[:b], warm_tokens, s.seed + 10_000 + w * b, timed=False)
         llm.engine.runner.stats.reset()
+        ranks_before = llm.rank_stats()  # [] for one rank
         reset_peak_rss()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -309,6 +310,9 @@ def measure(
             for i in range(iters)
         ]
         recorder.detach()
+        ranks = _rank_rows(
+            ranks_before, llm.rank_stats(), sum(len(t) for it in its for t in it.tokens)
+        )
         device_time = None
         if device.type == "cuda" and s.profile_steps > 0:
             device_time = driver.profile(warm_prompts[:b], s.profile_steps, s.seed + 20_000)
@@ -329,6 +333,8 @@ def measure(
     metrics.update(
         routing=spec, routing_label=label, peak_device_bytes=peak_dev, peak_host_rss_bytes=peak_rss
     )
+    if ranks:
+        metrics["ranks"] = ranks
     return ConfigRun(
         metrics,
         [t for it in its for t in it.tokens],
@@ -338,6 +344,40 @@ def measure(
         int(plan["total_experts"]),
         driver.prefill_steps,
     )
+
+
+_RANK_COUNTERS = (
+    "requests", "device_hits", "host_hits", "disk_reads", "bytes_host_to_device",
+    "bytes_disk_to_host", "exposed_fetch_s", "collective_calls", "collective_s",
+    "collective_bytes", "decode_steps", "prefill_steps",
+)  # fmt: skip
+
+
+def _rank_rows(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], tokens: int
+) -> list[dict[str, Any]]:
+    """Per expert-parallel rank, over the timed pass: the experts it owns, its slots, its
+    tier counters and collective time, and per generated token its link and disk bytes,
+    exposed fetch and collective time (every rank runs every step)."""
+    rows = []
+    per = max(tokens, 1)
+    for b, a in zip(before, after):
+        d = {k: a[k] - b[k] for k in _RANK_COUNTERS}
+        lookups = max(d["requests"], 1)
+        rows.append(
+            dict(
+                rank=int(a["rank"]),
+                owned_experts=int(a["owned_experts"]),
+                device_slots=int(a["device_slots"]),
+                **d,
+                hit_rate=d["device_hits"] / lookups,
+                h2d_mb_per_token=d["bytes_host_to_device"] / per / 1e6,
+                disk_mb_per_token=d["bytes_disk_to_host"] / per / 1e6,
+                exposed_fetch_ms_per_token=d["exposed_fetch_s"] * 1e3 / per,
+                collective_ms_per_token=d["collective_s"] * 1e3 / per,
+            )
+        )
+    return rows
 
 
 def _greedy_tokens(llm: Any, prompt: list[int]) -> list[int]:

@@ -27,6 +27,15 @@ from moetier.threads import configure_threads
 log = logging.getLogger(__name__)
 
 
+# Per-rank counters of an expert-parallel group in `Engine.stats` ("rank{r}.{key}"; /metrics
+# exports them with a `rank` label: metrics.py).
+RANK_METRIC_KEYS = (
+    "device_hits", "host_hits", "disk_reads", "bytes_host_to_device", "bytes_disk_to_host",
+    "exposed_fetch_s", "collective_calls", "collective_s", "collective_bytes", "owned_experts",
+    "device_slots",
+)  # fmt: skip
+
+
 class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         self.config = config
@@ -256,6 +265,9 @@ class Engine:
         split = self.runner.memory_split.stats()
         split.pop("split_reason")  # a name: the server exports it at start-up (memory_split_info)
         out.update(split)
+        for row in self.runner.all_rank_stats():  # expert parallelism: "rank{r}.{counter}"
+            for key in RANK_METRIC_KEYS:
+                out[f"rank{row['rank']}.{key}"] = float(row[key])
         return out
 
     def check_integrity(self) -> None:

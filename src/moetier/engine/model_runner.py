@@ -491,8 +491,25 @@ class ModelRunner:
         self.kv_cache.blocks.tables = dict(plan.tables)
         if self.state_cache is not None:
             self.state_cache.slots.slot_of = dict(plan.state_slots)
-        self._run(plan, logits=False)
-        self.after_step()
+        # counted by step kind as rank 0's engine counts its steps
+        decode = all(len(c) == 1 and s for (_, _, c), s in zip(plan.spans, plan.samples))
+        self.stats.begin_step(decode)
+        try:
+            self._run(plan, logits=False)
+        finally:
+            self.after_step()
+            self.stats.end_step()
+
+    def all_rank_stats(self) -> list[dict[str, Any]]:
+        """Rank 0: every rank's `rank_stats` (rank 0 first); [] for one rank or a broken
+        group."""
+        par = self.parallel
+        if par is None or par.broken is not None:
+            return []
+        par.send(("stats",))
+        ranks = par.gather(self.rank_stats())
+        assert ranks is not None
+        return ranks
 
     def rank_stats(self) -> dict[str, Any]:
         """This rank's expert-tier counters and collective time (offload_stats' `ranks`)."""
