@@ -61,7 +61,43 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_expert_parallel_equals_transformers(
     family: str, ranks: int, budget: str | None, checkpoints: dict[str, Path]
 ) -> None:
-    path = checkpoints[family]
+    check_ranks(checkpoints[family], family, ranks, budget)
+
+
+# the grouped kernel's terms (its PyTorch reference on the CPU): every owned expert resident
+# (the rank's device table, no host sync), waves, the minimum; a top-k-sum family with biases
+KERNEL_CASES = [("qwen3_moe", 2, None), ("gpt_oss", 2, "50%"), ("deepseek_v2", 3, "min")]
+
+
+@pytest.mark.parametrize(("family", "ranks", "budget"), KERNEL_CASES, ids=lambda v: str(v))
+def test_expert_parallel_grouped_kernel_equals_transformers(
+    family: str,
+    ranks: int,
+    budget: str | None,
+    checkpoints: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import moetier.layers.moe as moe
+
+    calls: list[int] = []
+    real = moe.grouped_ffn_terms
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "grouped_ffn_terms", counting)  # rank 0's calls
+    stats = check_ranks(checkpoints[family], family, ranks, budget, moe_grouped_kernel=True)
+    assert calls
+    if budget is None:  # every call from the rank's device table: no routing to the host
+        assert all(r["resident_lookups"] > 0 == r["requests"] for r in stats["ranks"])
+
+
+def check_ranks(
+    path: Path, family: str, ranks: int, budget: str | None, **llm_kwargs: Any
+) -> dict[str, Any]:
+    """LLM with `ranks` ranks == transformers (greedy tokens of every prompt, one prompt's
+    logits); each rank owns its round-robin experts; the LLM is closed after. Its stats."""
     ref = hf_model(path)
     llm = LLM(
         str(path),
@@ -70,6 +106,7 @@ def test_expert_parallel_equals_transformers(
         dtype="float32",
         progress=False,
         expert_parallel_size=ranks,
+        **llm_kwargs,
     )
     try:
         got = moetier_greedy(llm, PROMPTS)
@@ -100,6 +137,7 @@ def test_expert_parallel_equals_transformers(
         RuntimeError, match="ExpertParallelError: the expert-parallel group was closed"
     ):
         llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))
+    return stats
 
 
 def test_more_ranks_than_experts_is_an_error(checkpoints: dict[str, Path]) -> None:

@@ -183,3 +183,49 @@ print("ok")
 
 def test_triton_align_matches_torch_align_in_interpreter() -> None:
     _run_in_interpreter(_ALIGN_CHECK)
+
+
+def test_terms_split_over_ranks_combine_to_the_one_call_bf16() -> None:
+    # expert parallelism: each "rank" computes the terms of its experts (zero elsewhere), the
+    # terms meet by bits (one writer an element), the combine equals the one-device call
+    from moetier.kernels.expert_ffn import PLAIN
+    from moetier.kernels.grouped_ffn import combine_terms, grouped_ffn_terms
+
+    cases = [(PLAIN, *_case(5, 4, 16, 8, 9, torch.bfloat16, seed=4), None)]
+    for act in (CLAMPED_SWIGLU, GPT_OSS_SWIGLU):
+        x, pool, slots, experts, w, math = math_case(act, 5, 4, 16, 8, 9, torch.bfloat16, seed=6)
+        cases.append((math, x, pool, slots, w, experts))
+    for math, x, pool, slots, w, experts in cases:
+        slots = slots if experts is not None else slots.sort(-1).values
+        ids = experts if experts is not None else slots
+        whole = grouped_ffn_reference(x, pool, slots, w, 8, math=math, experts=experts)
+        bits = torch.zeros(5, 4, 16, dtype=torch.int16)
+        for rank in range(3):
+            mine = ids % 3 == rank
+            y = grouped_ffn_terms(x, pool, slots.masked_fill(~mine, -1), w, 8, 9, experts,
+                                  math=math)  # fmt: skip
+            assert torch.equal(y[~mine], torch.zeros_like(y[~mine]))
+            bits += y.view(torch.int16)
+        assert torch.equal(combine_terms(bits.view(torch.bfloat16), math), whole)
+
+
+_TERMS_CHECK = """
+import torch
+from moetier.kernels.grouped_ffn import combine_terms, grouped_ffn_reference
+from moetier.kernels._grouped_ffn_triton import grouped_ffn_triton
+from tests.unit.test_expert_ffn import _case
+x, pool, slots, w = _case(6, 3, 40, 24, 7, torch.float32, seed=8)
+slots = slots.sort(-1).values
+skip = torch.rand(6, 3, generator=torch.Generator().manual_seed(1)) < 0.4
+y = grouped_ffn_triton(x, pool, slots.masked_fill(skip, -1), w, 24, 7, terms=True)
+assert y.shape == (6, 3, 40) and torch.equal(y[skip], torch.zeros_like(y[skip]))
+whole = grouped_ffn_triton(x, pool, slots, w, 24, 7, terms=True)
+torch.testing.assert_close(combine_terms(whole), grouped_ffn_reference(x, pool, slots, w, 24),
+                           rtol=1e-5, atol=1e-5)
+assert torch.equal(combine_terms(whole), grouped_ffn_triton(x, pool, slots, w, 24, 7))
+print("ok")
+"""
+
+
+def test_triton_grouped_terms_in_interpreter() -> None:
+    _run_in_interpreter(_TERMS_CHECK)

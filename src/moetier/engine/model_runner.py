@@ -231,9 +231,11 @@ class ModelRunner:
         if self.expert_cache.resident_table is not None:
             stream = 0.0  # every expert resident: nothing to stream
         if self.parallel is not None:
-            # Each rank computes its experts' (token, k) terms for the exchange: the per-expert
-            # loop; its own experts are few, so the next layer is not streamed either.
-            grouped, slot_kernel, stream = False, 0, 0.0
+            # Each rank computes its experts' (token, k) terms for the exchange: by the grouped
+            # kernel (its terms before the combine) when it is on, else the per-expert loop; the
+            # slot kernel combines inside, so it stays off. A rank's own experts are few: the
+            # next layer is not streamed either.
+            slot_kernel, stream = 0, 0.0
         kernel_layout = slot_layout(self.expert_cache.packing)
         mxfp4 = kernel_layout is not None and any(
             MXFP4 in (v.gate_up_format, v.down_format) for v in kernel_layout.values()

@@ -339,8 +339,12 @@ def grouped_ffn_triton(
     experts: torch.Tensor | None = None,
     layout: SlotLayout | None = None,
     math: ExpertMath = PLAIN,
+    terms: bool = False,
 ) -> torch.Tensor:
-    """x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
+    """`terms`: return each pair's weighted output [T, K, D] (zero where the slot is -1)
+    instead of combining them (`grouped_ffn_terms`).
+
+    x [T, D], pool [S, row] (rows as `layout` says; default dense [S, 3ID]), slots [T, K]
     (ascending expert per row, -1 = skip), weights [T, K] -> [T, D] (`out` updated in place
     when given, in its dtype: float32 for a topk_sum `math`). `experts` [T, K] (the pairs'
     expert ids, < max_experts; needed by biases): the align runs as three Triton launches
@@ -352,10 +356,13 @@ def grouped_ffn_triton(
     slots = slots.to(torch.int32).contiguous()
     weights = weights.reshape(-1).contiguous()
     cfg = cfg or choose_config(p, max_experts)
+    if terms and p == 0:
+        return x.new_zeros(t, k, d)
     accum = out is not None
-    if out is None:
+    if out is None and not terms:
         out = torch.empty(x.shape, dtype=sum_dtype(x.dtype, math), device=x.device)
     if p == 0:
+        assert out is not None
         return out.zero_().to(x.dtype) if not accum else out
     if experts is not None:
         pairs, block_slot = align_triton(experts, slots, cfg.bm, max_experts)  # [NB*BM], [NB]
@@ -379,7 +386,8 @@ def grouped_ffn_triton(
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
     )  # fmt: skip
     down_bk = _tile(cfg.down_bk, layout.down_format, layout)
-    y = torch.empty(p, d, dtype=x.dtype, device=x.device)  # [P, D]
+    # [P, D]; skipped pairs' rows are never written (zeroed first when they are the result)
+    y = (torch.zeros if terms else torch.empty)(p, d, dtype=x.dtype, device=x.device)
     _grouped_down[(nb, triton.cdiv(d, cfg.down_bn))](
         h, pool, pairs, block_slot, weights, y, exp, db, p, d, inter, pool.stride(0),
         layout.down, *scales, db_row,
@@ -387,5 +395,8 @@ def grouped_ffn_triton(
         BLOCK_M=cfg.bm, BLOCK_N=cfg.down_bn, BLOCK_K=down_bk, IEEE=ieee,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )  # fmt: skip
+    if terms:
+        return y.view(t, k, d)
+    assert out is not None
     _combine_masked[(t, triton.cdiv(d, 512))](y, slots, out, k, d, ACCUM=accum, BLOCK=512)
     return out if accum else out.to(x.dtype)

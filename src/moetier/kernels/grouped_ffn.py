@@ -68,6 +68,42 @@ def grouped_ffn_reference(
     return acc if out is not None else acc.to(x.dtype)
 
 
+def grouped_ffn_terms(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    inter: int,
+    max_experts: int,
+    experts: torch.Tensor | None = None,
+    layout: SlotLayout | None = None,
+    math: ExpertMath = PLAIN,
+) -> torch.Tensor:
+    """The grouped kernel without its combine: each pair's weighted output y [T, K, D] in
+    x.dtype, zero where the slot is -1 (expert parallelism exchanges these terms, then
+    `combine_terms` adds them as the kernel's combine does)."""
+    if kernel_ok(x) and triton_available():
+        from moetier.kernels import _grouped_ffn_triton as tri
+
+        return tri.grouped_ffn_triton(
+            x, pool, slots, weights, inter, max_experts, experts=experts, layout=layout,
+            math=math, terms=True,
+        )  # fmt: skip
+    valid = slots >= 0
+    y = pair_outputs(x, pool, slots.clamp(min=0), weights, inter, layout, math, experts)
+    return torch.where(valid[:, :, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def combine_terms(terms: torch.Tensor, math: ExpertMath = PLAIN) -> torch.Tensor:
+    """terms [T, K, D] (each token's pairs in ascending expert order, x.dtype) -> [T, D]: the
+    grouped kernel's combine, each add rounded to the sum dtype (float32 for a topk_sum `math`,
+    rounded once at the end)."""
+    acc = terms.new_zeros(terms[:, 0].shape, dtype=sum_dtype(terms.dtype, math))
+    for j in range(terms.shape[1]):
+        acc = acc + terms[:, j]
+    return acc.to(terms.dtype)
+
+
 def align(slots: torch.Tensor, bm: int, max_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs sorted by slot into blocks of `bm` pairs of one slot each, on slots' device.
 

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from moetier.kernels.expert_ffn import SILU, ExpertMath, expert_ffn, sum_dtype
-from moetier.kernels.grouped_ffn import grouped_ffn
+from moetier.kernels.grouped_ffn import combine_terms, grouped_ffn, grouped_ffn_terms
 from moetier.kernels.slot_layout import SlotLayout
 from moetier.offload.types import ExpertBatch, ExpertProvider
 
@@ -214,6 +214,9 @@ class MoEBlock(nn.Module):
         adds one device makes."""
         ep = self.expert_parallel
         assert ep is not None
+        if self.grouped_kernel:
+            terms = self._parallel_kernel_terms(x, ids, weights, provider)
+            return combine_terms(ep.exchange(terms), self.expert_math())
         k = ids.shape[1]
         t0 = time.perf_counter()
         flat = ids.flatten().cpu()  # [T*K]
@@ -255,6 +258,61 @@ class MoEBlock(nn.Module):
         for j in range(k):
             out += ordered[:, j]
         return out
+
+    def _parallel_kernel_terms(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
+    ) -> torch.Tensor:
+        """This rank's (token, k) terms [T, K, D] by the grouped kernel, each token's pairs in
+        ascending expert order, zero for other ranks' experts: from the rank's device table
+        with no host sync when all its experts are resident, else fetched in waves."""
+        ep = self.expert_parallel
+        assert ep is not None
+        math = self.expert_math()
+        inter, pairs, k = provider.intermediate, ids.numel(), ids.shape[1]
+        sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
+        sorted_w = weights.gather(1, by_expert)
+        table = provider.resident_table
+        if table is not None and self.route_observer is None:
+            slots = table[self.layer][sorted_ids]  # -1: another rank's expert
+            provider.count_resident(pairs)
+            return grouped_ffn_terms(
+                x, provider.pool, slots, sorted_w, inter, self.num_experts, experts=sorted_ids,
+                layout=self.slot_layout, math=math,
+            )  # fmt: skip
+        t0 = time.perf_counter()
+        flat = ids.flatten().cpu()  # [T*K]: the one host sync of this layer
+        provider.count_routing_sync(time.perf_counter() - t0)
+        host_ids: list[int] = flat.tolist()
+        if self.route_observer is not None:
+            self.route_observer(self.layer, host_ids, k)
+        counts = torch.bincount(flat, minlength=1).tolist()
+        mine = [e for e, c in enumerate(counts) if c and ep.owns(self.layer, e)]
+        terms = x.new_zeros(x.shape[0], k, x.shape[1])
+        if not mine:
+            return terms
+        provider.count_routed(sum(counts[e] for e in mine), len(mine))
+        routing = (
+            [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
+            if provider.wants_routing
+            else None
+        )
+        for w0 in range(0, len(mine), provider.max_batch):
+            batch = provider.fetch(self.layer, mine[w0 : w0 + provider.max_batch], routing)
+            routing = None
+            try:
+                if w0 + provider.max_batch >= len(mine):
+                    self._prefetch(host_ids, x)
+                batch.ready_all()
+                lookup = _slot_lookup(batch, len(counts)).to(x.device, non_blocking=True)
+                slots = lookup[sorted_ids]  # [T, K], -1: another wave's or rank's expert
+                y = grouped_ffn_terms(
+                    x, batch.pool, slots, sorted_w, inter, self.num_experts,
+                    experts=sorted_ids, layout=self.slot_layout, math=math,
+                )  # fmt: skip
+                terms = torch.where((slots >= 0)[:, :, None], y, terms)
+            finally:
+                provider.release(batch)
+        return terms
 
     def slot_wave(
         self,

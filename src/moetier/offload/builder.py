@@ -100,8 +100,8 @@ def build_tiers(
         )
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)
-            if layout.owns is None:  # a rank's share of the experts has no full table
-                cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
+            # (an expert-parallel rank's table holds its own experts, -1 for the others)
+            cache.freeze_resident(max(layout.layers) + 1, layout.num_experts)
         elif cfg.device_cache:
             cache.device_cache = _device_cache(cache, layout, plan, cfg)
         return cache

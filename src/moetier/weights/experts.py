@@ -62,6 +62,11 @@ def _fused_transposed(gate_up: tuple[int, ...], down: tuple[int, ...]) -> bool |
 class ExpertLayout:
     """Finds each MoE layer's routed experts in the checkpoint and reads one expert by offset."""
 
+    # Expert parallelism (parallel/): whether this rank owns (layer, expert), set by the model
+    # runner from its placement; None = every expert is this process's. The tiers hold,
+    # preload and count only the experts it owns.
+    owns: Callable[[int, int], bool] | None = None
+
     def __init__(
         self,
         ckpt: Checkpoint,
@@ -83,10 +88,6 @@ class ExpertLayout:
             layer: self._find(layer, cands) for layer, cands in prefixes.items()
         }
         self.shape = self._infer_shape()
-        # Expert parallelism (parallel/): the (layer, expert) -> owning rank test of this
-        # rank's placement; None = every expert is this process's. The tiers hold, preload and
-        # count only the experts it owns.
-        self.owns: Callable[[int, int], bool] | None = None
 
     def owned(self) -> list[tuple[int, int]]:
         """(layer, expert) of every routed expert this process serves, layer-major."""
@@ -102,7 +103,7 @@ class ExpertLayout:
     def total(self) -> int:
         """Routed experts this process serves (every expert unless expert parallelism)."""
         if self.owns is None:
-            return len(self.sources) * self.num_experts
+            return len(self.layers) * self.num_experts
         return len(self.owned())
 
     def _find(self, layer: int, candidates: list[str]) -> _LayerSource:
