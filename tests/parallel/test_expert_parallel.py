@@ -171,3 +171,31 @@ def test_a_rank_that_exits_fails_the_step_and_is_named(checkpoints: dict[str, Pa
             llm.generate([PROMPTS[2]], params)  # every later step fails at once
     finally:
         llm.close()
+
+
+def test_bench_latency_reports_each_rank(tmp_path: Path) -> None:
+    """`bench latency --expert-parallel-size 2`: per-rank rows over the timed pass, each with
+    its experts, slots, counters and Belady misses on its own experts; the bound takes the
+    slowest rank's."""
+    import json
+
+    from moetier.cli import main
+
+    out = tmp_path / "r.json"
+    args = ["bench", "latency", "--synthetic", "tiny-qwen3", "--expert-budget", "25%",
+            "--input-len", "8", "--output-len", "4", "--routing", "model", "--compare", "",
+            "--no-progress", "--expert-parallel-size", "2"]  # fmt: skip
+    rc = main([*args, "--save-result", str(out)])
+    assert rc == 0
+    configs = json.loads(out.read_text())["configs"]
+    assert [c["budget"] for c in configs] == ["100%", "25%"]
+    for c in configs:
+        ranks = c["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        # rank 0's plan is the config's; an even expert count splits evenly
+        assert ranks[0]["owned_experts"] == ranks[1]["owned_experts"] == c["total_experts"]
+        assert all(r["collective_calls"] > 0 and r["decode_steps"] > 0 for r in ranks)
+        worst = max(r["belady_misses_per_token"] for r in ranks)
+        assert c["belady_misses_per_token"] == worst
+    assert all(r["disk_reads"] == 0 for r in configs[0]["ranks"])  # 100%: each rank holds its own
+    assert any(r["device_hits"] < r["requests"] for r in configs[1]["ranks"])

@@ -59,6 +59,8 @@ class ConfigRun:
     num_slots: int
     total_experts: int
     prefill_steps: set[int]
+    # expert parallelism: rank -> (layer, expert) -> owned, for the per-rank bound (latency.py)
+    placement: Any = None
 
 
 def _sync(device: torch.device) -> None:
@@ -343,6 +345,7 @@ def measure(
         int(plan["device_slots"]),
         int(plan["total_experts"]),
         driver.prefill_steps,
+        None if llm.engine.runner.parallel is None else llm.engine.runner.parallel.placement,
     )
 
 
