@@ -1,12 +1,11 @@
 """Write docs/compatibility.md from test evidence: per family x path, what passed.
 
-Reads a junit XML of the CPU suite (`pytest tests/models tests/server/test_family_parity_served.py
--m "not gpu" --junitxml=...`: CPU_SUITE), or runs that suite itself when none is given, and
-optionally a junit XML of the GPU suite (`pytest tests/gpu -m gpu --junitxml=...`, run on a GPU
-machine; --gpu-name names it). Every
-cell comes from test cases of one family (the parametrization id's first part is the family's
-key in tests/models/families.py); a column nobody ran says "not run". Never hand-edit the
-output.
+Reads a junit XML of the CPU suite (`pytest <CPU_SUITE> -m "not gpu" --junitxml=...`: the
+family parity modules, the served parity and expert parallelism), or runs that suite itself
+when none is given, and optionally a junit XML of the GPU suite (`pytest tests/gpu -m gpu
+--junitxml=...`, run on a GPU machine; --gpu-name names it). Every cell comes from test cases
+of one family (the parametrization id's first part is the family's key in
+tests/models/families.py); a column nobody ran says "not run". Never hand-edit the output.
 
     python scripts/compat_matrix.py                       # runs the CPU suite, writes the doc
     python scripts/compat_matrix.py --junit cpu.xml --commit abc1234 --gpu-junit gpu.xml
@@ -66,9 +65,19 @@ CPU_COLUMNS = (
         "tests.server.test_family_parity_served",
         "test_served_concurrent_preempted_equal_transformers",
     ),
+    # expert parallelism over 2 (and for three families 3) gloo ranks, one budget a family
+    Column(
+        "expert parallel (2-3 ranks)",
+        "tests.parallel.test_expert_parallel",
+        "test_expert_parallel_equals_transformers",
+    ),
 )
 # The CPU suite: every module a CPU column reads (run_cpu_suite runs these).
-CPU_SUITE = ("tests/models", "tests/server/test_family_parity_served.py")
+CPU_SUITE = (
+    "tests/models",
+    "tests/server/test_family_parity_served.py",
+    "tests/parallel/test_expert_parallel.py",
+)
 GPU_COLUMNS = (
     Column("GPU fp32 parity", "tests.gpu.test_gpu_parity", "test_fp32_parity_on_cuda"),
     Column("GPU disk tier", "tests.gpu.test_gpu_parity", "test_fp32_parity_with_disk_tier_on_cuda"),
@@ -237,6 +246,10 @@ def render(
         "and a step budget below the longest prompt (its prefill is chunked), return exactly",
         "transformers' tokens for each prompt alone, and nothing is left running or holding KV",
         "blocks.",
+        "`expert parallel (2-3 ranks)`: `LLM(..., expert_parallel_size=N)` over gloo on the CPU",
+        "(tests/parallel/test_expert_parallel.py): 2 ranks at one budget a family (100%, 50% and",
+        "each rank's minimum in turn), 3 ranks for three families; greedy tokens and one prompt's",
+        "logits equal transformers, each rank holding exactly its round-robin experts.",
         "",
         f'## CPU (`pytest {" ".join(CPU_SUITE)} -m "not gpu"`): '
         f"{cpu_stamp or 'time not recorded'}, commit {cpu_commit}",
