@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 import time
+from typing import Any
 
 from moetier.bench.cli import add_bench_parser
 from moetier.config import (
@@ -155,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, float]) -> str:
+def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, Any]) -> str:
     moved = s["bytes_disk_to_host"] + s["bytes_host_to_device"]
     return (
         f"[moetier] {n_tokens} tokens in {gen_s:.2f} s ({n_tokens / max(gen_s, 1e-9):.2f} tok/s, "
@@ -165,8 +166,20 @@ def summary_line(n_tokens: int, gen_s: float, load_s: float, s: dict[str, float]
         f"(disk->host {format_bytes(s['bytes_disk_to_host'])}, host->device "
         f"{format_bytes(s['bytes_host_to_device'])}) | exposed fetch {s['exposed_fetch_s']:.3f} s, "
         f"miss handling {s['miss_host_s']:.3f} s, routing-sync wait {s['routing_sync_s']:.3f} s"
-        f" | {dedup_summary(s)}"
+        f" | {dedup_summary(s)}{ranks_summary(s)}"
     )
+
+
+def ranks_summary(s: dict[str, Any]) -> str:
+    """Expert parallelism: each rank's slots of its own experts, hit rate and exchange time
+    (the figures before it are rank 0's); "" for one rank."""
+    ranks = s.get("ranks") or []
+    rows = [
+        f"rank {r['rank']} {int(r['device_slots'])}/{int(r['owned_experts'])} slots, hits "
+        f"{r['device_hit_rate']:.1%}, exchange {r['collective_s']:.3f} s"
+        for r in ranks
+    ]
+    return f" | {len(ranks)} ranks (figures above: rank 0's): " + "; ".join(rows) if rows else ""
 
 
 def dedup_summary(s: dict[str, float]) -> str:

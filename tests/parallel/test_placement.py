@@ -104,3 +104,19 @@ def test_rank_counters_reach_metrics_with_a_rank_label() -> None:
         'moetier:rank_owned_experts{model_name="m",rank="1"} 8.0',
         'moetier:rank_collective_seconds_total{model_name="m",rank="1"} 0.25',
     }
+
+
+def test_cli_summary_names_each_rank() -> None:
+    from moetier.cli import ranks_summary
+
+    assert ranks_summary({}) == ""
+    rows = [
+        {"rank": 0, "device_slots": 60, "owned_experts": 240, "device_hit_rate": 0.543,
+         "collective_s": 0.7854},
+        {"rank": 1, "device_slots": 60, "owned_experts": 240, "device_hit_rate": 0.525,
+         "collective_s": 0.8131},
+    ]  # fmt: skip
+    assert ranks_summary({"ranks": rows}) == (
+        " | 2 ranks (figures above: rank 0's): rank 0 60/240 slots, hits 54.3%, exchange "
+        "0.785 s; rank 1 60/240 slots, hits 52.5%, exchange 0.813 s"
+    )
