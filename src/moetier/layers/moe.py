@@ -218,27 +218,14 @@ class MoEBlock(nn.Module):
             terms = self._parallel_kernel_terms(x, ids, weights, provider)
             return combine_terms(ep.exchange(terms), self.expert_math())
         k = ids.shape[1]
-        t0 = time.perf_counter()
-        flat = ids.flatten().cpu()  # [T*K]
-        provider.count_routing_sync(time.perf_counter() - t0)
-        host_ids: list[int] = flat.tolist()
-        if self.route_observer is not None:
-            self.route_observer(self.layer, host_ids, k)
+        flat, host_ids, counts, mine, routing = self._own_experts(ids, provider)
         terms = x.new_zeros(x.shape[0], k, x.shape[1])  # [T, K, D]: zero bits = another rank's
-        counts = torch.bincount(flat, minlength=1).tolist()
-        mine = [e for e, c in enumerate(counts) if c and ep.owns(self.layer, e)]
         if mine:
             offsets = [0]
             for c in counts:
                 offsets.append(offsets[-1] + c)
             order = torch.argsort(flat, stable=True).to(x.device, non_blocking=True)
             tokens, kpos = order // k, order % k
-            provider.count_routed(sum(counts[e] for e in mine), len(mine))
-            routing = (
-                [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
-                if provider.wants_routing
-                else None
-            )
             for w0 in range(0, len(mine), provider.max_batch):
                 batch = provider.fetch(self.layer, mine[w0 : w0 + provider.max_batch], routing)
                 routing = None
@@ -259,14 +246,38 @@ class MoEBlock(nn.Module):
             out += ordered[:, j]
         return out
 
+    def _own_experts(
+        self, ids: torch.Tensor, provider: ExpertProvider
+    ) -> tuple[torch.Tensor, list[int], list[int], list[int], list[list[int]] | None]:
+        """The host half of an expert-parallel call: the routing ids on the host (the layer's
+        one sync; an observer gets them), (flat ids [T*K], their list, pairs per expert id, this
+        rank's experts among them (counted as routed), the policy's routing rows or None)."""
+        ep = self.expert_parallel
+        assert ep is not None
+        k = ids.shape[1]
+        t0 = time.perf_counter()
+        flat = ids.flatten().cpu()  # [T*K]
+        provider.count_routing_sync(time.perf_counter() - t0)
+        host_ids: list[int] = flat.tolist()
+        if self.route_observer is not None:
+            self.route_observer(self.layer, host_ids, k)
+        counts = torch.bincount(flat, minlength=1).tolist()
+        mine = [e for e, c in enumerate(counts) if c and ep.owns(self.layer, e)]
+        if mine:
+            provider.count_routed(sum(counts[e] for e in mine), len(mine))
+        routing = (
+            [host_ids[i : i + k] for i in range(0, len(host_ids), k)]
+            if provider.wants_routing and mine
+            else None
+        )
+        return flat, host_ids, counts, mine, routing
+
     def _parallel_kernel_terms(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
     ) -> torch.Tensor:
         """This rank's (token, k) terms [T, K, D] by the grouped kernel, each token's pairs in
         ascending expert order, zero for other ranks' experts: from the rank's device table
         with no host sync when all its experts are resident, else fetched in waves."""
-        ep = self.expert_parallel
-        assert ep is not None
         math = self.expert_math()
         inter, pairs, k = provider.intermediate, ids.numel(), ids.shape[1]
         sorted_ids, by_expert = ids.sort(dim=-1)  # [T, K] ascending expert per token
@@ -279,23 +290,8 @@ class MoEBlock(nn.Module):
                 x, provider.pool, slots, sorted_w, inter, self.num_experts, experts=sorted_ids,
                 layout=self.slot_layout, math=math,
             )  # fmt: skip
-        t0 = time.perf_counter()
-        flat = ids.flatten().cpu()  # [T*K]: the one host sync of this layer
-        provider.count_routing_sync(time.perf_counter() - t0)
-        host_ids: list[int] = flat.tolist()
-        if self.route_observer is not None:
-            self.route_observer(self.layer, host_ids, k)
-        counts = torch.bincount(flat, minlength=1).tolist()
-        mine = [e for e, c in enumerate(counts) if c and ep.owns(self.layer, e)]
+        _, host_ids, counts, mine, routing = self._own_experts(ids, provider)
         terms = x.new_zeros(x.shape[0], k, x.shape[1])
-        if not mine:
-            return terms
-        provider.count_routed(sum(counts[e] for e in mine), len(mine))
-        routing = (
-            [sorted(host_ids[i : i + k]) for i in range(0, len(host_ids), k)]
-            if provider.wants_routing
-            else None
-        )
         for w0 in range(0, len(mine), provider.max_batch):
             batch = provider.fetch(self.layer, mine[w0 : w0 + provider.max_batch], routing)
             routing = None
