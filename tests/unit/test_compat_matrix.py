@@ -26,6 +26,13 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites>
 <testcase classname="tests.server.test_family_parity_served"
  name="test_served_concurrent_preempted_equal_transformers[gpt_oss]">
 <failure message="token mismatch">x</failure></testcase>
+<testcase classname="tests.parallel.test_expert_parallel"
+ name="test_expert_parallel_equals_transformers[qwen3_moe-2-50%]"/>
+<testcase classname="tests.parallel.test_expert_parallel"
+ name="test_expert_parallel_equals_transformers[deepseek_v2-2-None]"/>
+<testcase classname="tests.parallel.test_expert_parallel"
+ name="test_expert_parallel_equals_transformers[deepseek_v2-3-None]">
+<failure message="token mismatch">x</failure></testcase>
 </testsuite></testsuites>"""
 
 
@@ -43,8 +50,8 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     cm = _script()
     (tmp_path / "cpu.xml").write_text(JUNIT)
     cases, stamp = cm.read_junit(tmp_path / "cpu.xml")
-    assert stamp == "2026-12-04T20:00:00" and len(cases) == 9
-    full, half, low, _, _, _, slot, _, gguf, served = cm.CPU_COLUMNS
+    assert stamp == "2026-12-04T20:00:00" and len(cases) == 12
+    full, half, low, _, _, _, slot, _, gguf, served, parallel = cm.CPU_COLUMNS
     assert cm.cell(cases, full, "gemma4", ("", True, False)) == "pass"
     assert cm.cell(cases, half, "gemma4", ("", True, False)) == "**FAIL** 1/1"
     assert cm.cell(cases, low, "gemma4", ("", True, False)) == "not run"
@@ -56,6 +63,9 @@ def test_cells_from_junit(tmp_path: Path) -> None:
     assert cm.cell(cases, served, "qwen3_5_moe", ("", False, False)) == "pass"
     assert cm.cell(cases, served, "gpt_oss", ("", False, False)) == "**FAIL** 1/1"
     assert cm.cell(cases, served, "mixtral", ("", False, False)) == "not run"
+    # expert parallelism: every rank count and budget of the family
+    assert cm.cell(cases, parallel, "qwen3_moe", ("", False, False)) == "pass"
+    assert cm.cell(cases, parallel, "deepseek_v2", ("", False, False)) == "**FAIL** 1/2"
     graphs = next(c for c in cm.GPU_COLUMNS if c.graphs)
     gpu = [cm.Case(graphs.module, graphs.function, "deepseek_v4", "", "pass")]
     assert cm.cell(gpu, graphs, "deepseek_v4", ("", False, True)) == "pass (graphs off: eager)"
