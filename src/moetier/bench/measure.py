@@ -126,7 +126,9 @@ class _Driver:
         self._unwrap()
 
     def _stats(self) -> dict[str, float]:
-        d = self.llm.offload_stats()
+        # the engine's own counters, read around every step: not offload_stats(), which also
+        # gathers every expert-parallel rank's (two collectives a step for nothing)
+        d = self.engine.runner.stats.to_dict()
         return {k: float(d[k]) for k in _COUNTERS}
 
     def run(self, prompts: list[list[int]], max_tokens: int, seed: int, timed: bool) -> _Iteration:
