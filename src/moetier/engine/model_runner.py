@@ -408,10 +408,7 @@ class ModelRunner:
         if self.prefetcher is not None and self.prefetcher.hash_routes is not None:
             # hash-routed layers' experts follow from the token ids, host ints here: no sync
             self.prefetcher.begin_step([t for s in batch.scheduled for t in _new_tokens(s)])
-        if self.graphs is not None or self.prefill_graphs is not None:
-            self._token_requests(
-                [(s.request.request_id, s.num_new_tokens) for s in batch.scheduled]
-            )
+        self._token_requests([(s.request.request_id, s.num_new_tokens) for s in batch.scheduled])
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None and graphs.qualifies(batch):
                 logits = graphs.run(batch)
@@ -454,7 +451,6 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan, logits: bool = True) -> torch.Tensor | None:
         """The forward of a planned step; the sampling rows' logits (None: `logits` False)."""
-        self._token_requests([(seq, len(chunk)) for seq, _, chunk in plan.spans])
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -490,6 +486,7 @@ class ModelRunner:
         slots (this rank's block manager and slot allocator only hold what the step names)."""
         for seq in plan.ended:
             self.end_request(seq)
+        self._token_requests([(seq, len(chunk)) for seq, _, chunk in plan.spans])
         self.kv_cache.blocks.tables = dict(plan.tables)
         if self.state_cache is not None:
             self.state_cache.slots.slot_of = dict(plan.state_slots)
