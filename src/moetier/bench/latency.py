@@ -239,7 +239,9 @@ def run_latency(
     prompts = make_prompts(n, s.input_len, geo["vocab"], s.seed)
     warm = make_prompts(s.batch_size, s.input_len, geo["vocab"], s.seed + 1_000_000)
     specs = [r.strip() for r in s.routing.split(",") if r.strip()] or ["model"]
-    routings = [(sp, make_source(sp, geo["num_experts"], geo["top_k"], s.seed)) for sp in specs]
+    routings = [
+        (sp, make_source(sp, geo["num_experts"], geo["top_k"], s.seed, device)) for sp in specs
+    ]
     notes: list[str] = []
     runs: list[ConfigRun] = []
     for b in budgets:

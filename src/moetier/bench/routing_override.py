@@ -9,6 +9,10 @@ The wrapper returns the override's ids [T, K] and, as weights, the softmax of th
 logits gathered at those ids and renormalized, so the compute is the same as for a real router.
 Both sources depend only on (layer, call index, tokens in the call), so every expert budget of
 one run sees exactly the same routing once `reset()` is called at the start of its timed pass.
+Uniform draws are made on the run's device: on CUDA the draw of a 2,048-token prompt (a
+[T, E] argsort per MoE layer, 3-7 ms on a host core) would otherwise put host time into every
+layer of the timed prefill that the model's own routers never spend. CUDA and CPU draws of one
+seed differ; draws on one device repeat exactly.
 
 Trace replay onto another shape: model MoE layer i (i-th MoE layer, counting from 0) replays
 trace MoE layer `i mod L_trace`; that layer's per-token rows (all records, in file order) form
@@ -35,32 +39,48 @@ class RoutingSource(Protocol):
     label: str
 
     def ids(self, index: int, num_tokens: int) -> torch.Tensor:
-        """Top-k ids [T, K] int64 (CPU) per token for the next call of the index-th MoE layer."""
+        """Top-k ids [T, K] int64 per token for the next call of the index-th MoE layer (on the
+        CPU, or on the source's device)."""
         ...
 
     def reset(self) -> None: ...
 
 
 def uniform_ids(
-    seed: int, index: int, call: int, num_tokens: int, num_experts: int, top_k: int
+    seed: int,
+    index: int,
+    call: int,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """[T, K] distinct experts per token, uniformly drawn, from a (seed, layer, call) generator."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + index) * 1_000_033 + call)
-    return torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    """[T, K] distinct experts per token, uniformly drawn, from a (seed, layer, call) generator
+    on `device` (the ids stay there: no host work or copy on CUDA beyond the launches)."""
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + index) * 1_000_033 + call)
+    draw = torch.rand(num_tokens, num_experts, generator=gen, device=device)  # [T, E]
+    return draw.argsort(dim=1)[:, :top_k]
 
 
 class UniformRouting:
-    """Each token draws top-k distinct experts uniformly at random, seeded per layer and call."""
+    """Each token draws top-k distinct experts uniformly at random, seeded per layer and call,
+    on `device` (the run's device: see the module docstring)."""
 
-    def __init__(self, num_experts: int, top_k: int, seed: int) -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, seed: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.num_experts, self.top_k, self.seed = num_experts, top_k, seed
-        self.label = f"uniform (seed {seed})"
+        self.device = torch.device(device)
+        where = "" if self.device.type == "cpu" else f", drawn on {self.device.type}"
+        self.label = f"uniform (seed {seed}{where})"
         self.calls: dict[int, int] = {}
 
     def ids(self, index: int, num_tokens: int) -> torch.Tensor:
         call = self.calls.get(index, 0)
         self.calls[index] = call + 1
-        return uniform_ids(self.seed, index, call, num_tokens, self.num_experts, self.top_k)
+        return uniform_ids(
+            self.seed, index, call, num_tokens, self.num_experts, self.top_k, self.device
+        )
 
     def reset(self) -> None:
         self.calls.clear()
@@ -134,7 +154,8 @@ class OverrideGate(nn.Module):
         ids = self.source.ids(self.index, num_tokens)  # [T, K]
         rows = num_tokens if rows is None else rows
         if rows > num_tokens:
-            pad = torch.arange(ids.shape[1], dtype=ids.dtype).expand(rows - num_tokens, -1)
+            pad = torch.arange(ids.shape[1], dtype=ids.dtype, device=ids.device)
+            pad = pad.expand(rows - num_tokens, -1)
             ids = torch.cat([ids, pad])  # [rows, K]
         buf = self._staging.get(rows)
         if buf is None:
@@ -163,14 +184,16 @@ class OverrideGate(nn.Module):
         return ids, w / w.sum(dim=-1, keepdim=True)
 
 
-def make_source(spec: str, num_experts: int, top_k: int, seed: int) -> RoutingSource | None:
-    """`model` -> None (the model's own routers); `uniform`; `trace:PATH`."""
+def make_source(
+    spec: str, num_experts: int, top_k: int, seed: int, device: torch.device | str = "cpu"
+) -> RoutingSource | None:
+    """`model` -> None (the model's own routers); `uniform` (drawn on `device`); `trace:PATH`."""
     from moetier.errors import ConfigError
 
     if spec == "model":
         return None
     if spec == "uniform":
-        return UniformRouting(num_experts, top_k, seed)
+        return UniformRouting(num_experts, top_k, seed, device)
     if spec.startswith("trace:"):
         from moetier.bench.trace import read_trace
 
