@@ -2,7 +2,12 @@
 PROMPTS and a decode step at batch BATCH, each profiled with torch.profiler (CPU and CUDA),
 top operators by self CPU time and kernels by device time. Prints tables; no files.
 
-    python3 scripts/gpu_step_profile.py MODEL_DIR [--prompts 64,2048] [--batch 64]
+    python3 scripts/gpu_step_profile.py MODEL_DIR [--prompts 64,2048] [--batch 64] \
+        [--routing uniform] [--budget 100%]
+
+--routing uniform replaces the random-weight routers' choice with the bench's seeded uniform
+draws (on the device), as `bench latency --routing uniform` does; --batch 0 skips the decode
+step.
 """
 
 from __future__ import annotations
@@ -21,9 +26,19 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--prompts", default="64,2048")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--routing", default="model", choices=["model", "uniform"])
+    ap.add_argument("--budget", default="100%")
     args = ap.parse_args()
-    llm = LLM(args.model, device="cuda", dtype="bfloat16", progress=False)
+    llm = LLM(
+        args.model, device="cuda", dtype="bfloat16", progress=False, expert_budget=args.budget
+    )
     eng = llm.engine
+    if args.routing == "uniform":
+        from moetier.bench.routing_override import UniformRouting, install
+
+        runner = eng.runner
+        source = UniformRouting(runner.num_experts, runner.top_k, 0, "cuda")
+        install(runner.model.moe_blocks(), source)
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
 
     def prompt_step(n: int) -> None:
@@ -51,6 +66,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
     b = args.batch
+    if b == 0:
+        return
     for i in range(b):
         eng.add_request([(11 * i + j) % 30000 + 1 for j in range(64)], params)
     eng.step()  # the prompts

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call for the full-depth prefill and agent targets (issues #19, #24), from the repo
+# root on the GPU machine, in order (each step logs and the script goes on when one fails; no
+# step starts within 30 s of DEADLINE seconds):
+#   1. the GPU test of the bench's device-drawn uniform routing;
+#   2. DeepSeek-V2-Lite (27 layers): TTFT of 64- and 2,048-token prompts, every expert resident,
+#      uniform routing (now drawn on the device), then where one 2,048-token prompt step's host
+#      and device time go (scripts/gpu_step_profile.py --routing uniform);
+#   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips): the agent workload at 25 % (6 turns, each
+#      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
+#      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %.
+# Results under $OUT: summary.md, targets-results.tar.gz, gpu_targets.log.
+set -uo pipefail
+START=$SECONDS
+OUT=${OUT:-gpu-results}
+WORK="$OUT/targets"
+mkdir -p "$WORK"
+DEADLINE=${DEADLINE:-560}
+TRACE=${TRACE:-bench/traces/demo-128x8.jsonl.gz}
+LOG="$OUT/gpu_targets.log"
+TAG=gpu_targets
+source scripts/gpu_steps.sh
+source scripts/gpu_wheels.sh
+
+# ttft NAME ARGS...: one `bench latency` with 8 output tokens (TTFT is the point)
+ttft() {
+  local name=$1
+  shift
+  step "$name" python3 -m moetier -v bench latency --output-len 8 --seed 0 --warmup 1 \
+    --no-progress --profile-steps 0 --save-result "$WORK/$name.json" "$@"
+  [ -f "$WORK/$name.json" ] && python3 - "$WORK/$name.json" >"$WORK/$name.md" <<'PY'
+import json, sys
+from moetier.bench.report import latency_table
+print(latency_table(json.load(open(sys.argv[1]))))
+PY
+}
+
+log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
+  -rs --junitxml="$WORK/junit-targets.xml"
+
+if step dsv2-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
+  D=(--synthetic deepseek-v2-lite --expert-budget 100% --routing uniform)
+  ttft dsv2-p64 "${D[@]}" --input-len 64
+  ttft dsv2-p2048 "${D[@]}" --input-len 2048
+  step dsv2-profile python3 scripts/gpu_step_profile.py \
+    "$(ls -d "$MOETIER_HOME"/synthetic/deepseek-v2-lite-L27-s0 | head -n 1)" \
+    --prompts 2048 --batch 0 --routing uniform
+  rm -rf "$MOETIER_HOME"/synthetic/deepseek-v2-lite-*
+fi
+
+if [ "${SKIP_Q3:-0}" != 1 ]; then
+  env OUT="$WORK/agent" DEADLINE=$(($(left) - 10)) AGENT=1 AGENT_LAYERS=48 ROW_KEEP=1 \
+    bash scripts/gpu_rows.sh >/dev/null 2>&1
+  cp "$WORK/agent/summary.md" "$WORK/agent-48.md" 2>/dev/null
+  Q=(--synthetic qwen3-30b-a3b --layers 48)
+  ttft q3-p64 "${Q[@]}" --expert-budget 100% --routing uniform --input-len 64
+  ttft q3-p2048 "${Q[@]}" --expert-budget 100%,25% --routing "trace:$TRACE" --input-len 2048
+fi
+
+summarize "$WORK/tests.log"
