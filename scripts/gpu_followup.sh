@@ -10,7 +10,7 @@
 #      kernels: 41.61 ms, 0 graph replays, H100); then the Qwen3-30B-A3B shape at 12 layers, a
 #      2,048-token prompt at 25 %, stream_eviction on and off (TTFT, prefill H2D bytes, greedy
 #      tokens); then ROWS_MORE (GLM-4.5-Air and DeepSeek-V4-Flash at 4 layers, gpt-oss-120b at
-#      12), 100 / 25 %.
+#      12), 100 / 25 % (ROWS_MORE= skips them).
 # Results under $OUT, three files (the device tool returns at most eight): summary.md,
 # followup-results.tar.gz (every log, JSON and table), gpu_followup.log.
 set -uo pipefail
@@ -19,7 +19,7 @@ OUT=${OUT:-gpu-results}
 WORK="$OUT/followup"
 mkdir -p "$WORK"
 DEADLINE=${DEADLINE:-570}
-ROWS_MORE=${ROWS_MORE:-glm-4.5-air:4 deepseek-v4-flash:4 gpt-oss-120b:12}
+ROWS_MORE=${ROWS_MORE-glm-4.5-air:4 deepseek-v4-flash:4 gpt-oss-120b:12}
 LOG="$OUT/gpu_followup.log"
 TAG=gpu_followup
 source scripts/gpu_steps.sh
@@ -49,6 +49,6 @@ rows() {
 rows gemma4 ROWS="gemma-4-26b-a4b:12"
 rows stream ROWS="qwen3-30b-a3b:12 qwen3-30b-a3b:12:stream_eviction=true" ROW_BUDGETS=25% \
   ROW_ARGS="--input-len 2048"
-rows more ROWS="$ROWS_MORE"
+[ -n "$ROWS_MORE" ] && rows more ROWS="$ROWS_MORE"
 
 summarize "$WORK/tests-gemma4.log"

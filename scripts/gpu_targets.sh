@@ -6,7 +6,7 @@
 #   2. DeepSeek-V2-Lite (27 layers): TTFT of 64- and 2,048-token prompts, every expert resident,
 #      uniform routing (now drawn on the device), then where one 2,048-token prompt step's host
 #      and device time go (scripts/gpu_step_profile.py --routing uniform);
-#   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips): the agent workload at 25 % (6 turns, each
+#   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
 #      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
 #      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %.
 # Results under $OUT: summary.md, targets-results.tar.gz, gpu_targets.log.
@@ -39,7 +39,7 @@ log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>
 step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
   -rs --junitxml="$WORK/junit-targets.xml"
 
-if step dsv2-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
+if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
   D=(--synthetic deepseek-v2-lite --expert-budget 100% --routing uniform)
   ttft dsv2-p64 "${D[@]}" --input-len 64
   ttft dsv2-p2048 "${D[@]}" --input-len 2048
