@@ -4,6 +4,8 @@ Owns the MLA projections, the rotary variant of each DeepSeek version and the so
 (with the yarn mscale correction HF applies); attention itself is the shared `attend()` core.
 The KV cache holds the compressed latent plus the rope key (kv_lora_rank + dr per token, ~71x
 less than expanded per-head K/V for DeepSeek-V3), with kv_b_proj absorbed into q and output.
+A step of fresh prompts only (nothing cached before them, no decode rows) caches the same
+latent but attends in the expanded form, as transformers computes it (`_attend_fresh`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import UnsupportedModelError
@@ -33,6 +36,15 @@ ROPE_STYLES = ("complex", "interleave", "half")
 
 # HF builds the MLA low-rank norms with the RMSNorm default eps, not config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
+
+
+# Switch (tests, A/B): steps of fresh prompts attend in the expanded form (`_attend_fresh`).
+EXPANDED_FRESH = True
+
+
+def _all_fresh(ctx: ForwardContext) -> bool:
+    """Every sequence of the step starts in it (no cached tokens before it, no decode rows)."""
+    return ctx.kv_batch.decode_rows is None and all(span.past == 0 for span in ctx.spans)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -126,7 +138,9 @@ class MLAttention(nn.Module):
         latent, k_rot = ckv.split([self.kv_lora_rank, self.dr], dim=-1)  # [T, r], [T, dr]
         q_rot, k_rot = self._rope(q_rot, k_rot.view(t, 1, self.dr), ctx.positions)  # k: [T, 1, dr]
         latent = self.kv_a_layernorm(latent)  # [T, r]
-        if self.latent_cache:
+        if self.latent_cache and EXPANDED_FRESH and _all_fresh(ctx):
+            o = self._attend_fresh(ctx, q_nope, q_rot, latent, k_rot)
+        elif self.latent_cache:
             o = self._attend_latent(ctx, q_nope, q_rot, latent, k_rot)
         else:
             kv = self.kv_b_proj(latent).view(t, self.n_heads, self.dn + self.dv)
@@ -136,6 +150,40 @@ class MLAttention(nn.Module):
             k = torch.cat([k_nope, k_rot.expand(t, self.n_heads, self.dr)], dim=-1)  # [T, H, dq]
             o = attend(ctx, self.layer, q, k, v, self.scale)  # [T, H, dv]
         return self.o_proj(o.reshape(t, -1))
+
+    def _attend_fresh(
+        self,
+        ctx: ForwardContext,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of a step whose every sequence starts in it (`_all_fresh`): the latent
+        and rope key are cached as `_attend_latent` caches them, and each prompt attends to its
+        own keys in the expanded form (per-head keys and values from kv_b_proj): heads of dq
+        channels instead of r + dr, so SDPA's flash kernel serves it on CUDA (values padded to
+        dq), where the absorbed form's 576-channel heads over one shared key head leave SDPA
+        its math kernel. Same arguments and result as `_attend_latent`; no host sync.
+        """
+        t, r = latent.shape
+        h = self.n_heads
+        cached = torch.cat([latent.view(t, 1, r), k_rot], dim=-1)  # [T, 1, r + dr]
+        ctx.kv.write(self.layer, cached, None, ctx.kv_batch.slot_mapping)
+        kv = self.kv_b_proj(latent).view(t, h, self.dn + self.dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # [T, H, dn], [T, H, dv]
+        q = torch.cat([q_nope, q_rot], dim=-1)  # [T, H, dq]
+        k = torch.cat([k_nope, k_rot.expand(t, h, self.dr)], dim=-1)  # [T, H, dq]
+        pad = q.is_cuda and self.dv < self.dq  # flash wants one head size for q, k and v
+        if pad:
+            v = F.pad(v, (0, self.dq - self.dv))  # [T, H, dq]
+        o = q.new_empty(t, h, v.shape[-1])
+        for span in ctx.spans:
+            rows = slice(span.start, span.end)
+            qs, ks, vs = (a[rows].transpose(0, 1).unsqueeze(0) for a in (q, k, v))  # [1, H, n, *]
+            att = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            o[rows] = att[0].transpose(0, 1)
+        return o[..., : self.dv] if pad else o
 
     def _attend_latent(
         self,
