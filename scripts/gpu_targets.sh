@@ -4,8 +4,10 @@
 # step starts within 30 s of DEADLINE seconds):
 #   1. the GPU test of the bench's device-drawn uniform routing;
 #   2. DeepSeek-V2-Lite (27 layers): TTFT of 64- and 2,048-token prompts, every expert resident,
-#      uniform routing (now drawn on the device), then where one 2,048-token prompt step's host
-#      and device time go (scripts/gpu_step_profile.py --routing uniform);
+#      uniform routing (now drawn on the device); with BEFORE (a tree of files mirroring the
+#      repo's) the 2,048-token TTFT again with those files swapped in (A/B in one call); then
+#      where one 2,048-token prompt step's host and device time go
+#      (scripts/gpu_step_profile.py --routing uniform);
 #   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
 #      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
 #      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %.
@@ -43,6 +45,12 @@ if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench syn
   D=(--synthetic deepseek-v2-lite --expert-budget 100% --routing uniform)
   ttft dsv2-p64 "${D[@]}" --input-len 64
   ttft dsv2-p2048 "${D[@]}" --input-len 2048
+  if [ -n "${BEFORE:-}" ] && [ -d "$BEFORE" ]; then
+    swap_in
+    ttft dsv2-p2048-before "${D[@]}" --input-len 2048
+    ttft dsv2-p64-before "${D[@]}" --input-len 64
+    swap_out
+  fi
   step dsv2-profile python3 scripts/gpu_step_profile.py \
     "$(ls -d "$MOETIER_HOME"/synthetic/deepseek-v2-lite-L27-s0 | head -n 1)" \
     --prompts 2048 --batch 0 --routing uniform
