@@ -26,7 +26,9 @@ source scripts/gpu_steps.sh
 source scripts/gpu_wheels.sh
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-step tests-gemma4 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu -k "gemma4 or gelu" \
+# EXTRA_TESTS: more test files and a -k expression joined to this step's (one pytest start)
+step tests-gemma4 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu ${EXTRA_TESTS:-} \
+  -k "gemma4 or gelu${EXTRA_K:+ or $EXTRA_K}" \
   -rs --junitxml="$WORK/junit-gemma4.xml"
 MXFP4_BYTE_TILES=0 step tests-mxfp4-words python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/gpu/test_gpu_compressed_kernels.py tests/gpu/test_gpu_graphs.py -k "mxfp4 or gpt_oss" \

@@ -2,7 +2,8 @@
 # One device call for the full-depth prefill and agent targets (issues #19, #24), from the repo
 # root on the GPU machine, in order (each step logs and the script goes on when one fails; no
 # step starts within 30 s of DEADLINE seconds):
-#   1. the GPU test of the bench's device-drawn uniform routing;
+#   1. GPU tests: the bench's device-drawn uniform routing; DeepSeek-V2/V3 parity and prefill
+#      graphs (MLA's fresh-prompt steps in the expanded form, flash); SKIP_TESTS=1 skips;
 #   2. DeepSeek-V2-Lite (27 layers): TTFT of 64- and 2,048-token prompts, every expert resident,
 #      uniform routing (now drawn on the device); with BEFORE (a tree of files mirroring the
 #      repo's) the 2,048-token TTFT again with those files swapped in (A/B in one call); then
@@ -38,7 +39,8 @@ PY
 }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
+[ "${SKIP_TESTS:-0}" = 1 ] || step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
+  tests/gpu/test_gpu_prefill_graphs.py tests/gpu/test_gpu_parity.py -k "routing or deepseek_v2 or deepseek_v3" \
   -rs --junitxml="$WORK/junit-targets.xml"
 
 if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
