@@ -4,11 +4,10 @@
 # step starts within 30 s of DEADLINE seconds):
 #   1. GPU tests: the bench's device-drawn uniform routing; DeepSeek-V2/V3 parity and prefill
 #      graphs (MLA's fresh-prompt steps in the expanded form, flash); SKIP_TESTS=1 skips;
-#   2. DeepSeek-V2-Lite (27 layers): TTFT of 64- and 2,048-token prompts, every expert resident,
-#      uniform routing (now drawn on the device); with BEFORE (a tree of files mirroring the
-#      repo's) the 2,048-token TTFT again with those files swapped in (A/B in one call); then
-#      where one 2,048-token prompt step's host and device time go
-#      (scripts/gpu_step_profile.py --routing uniform);
+#   2. DeepSeek-V2-Lite (27 layers): TTFT of 2,048- and 64-token prompts, every expert resident,
+#      uniform routing (now drawn on the device), with MLA's fresh-prompt steps expanded and
+#      absorbed (MLA_EXPANDED_FRESH=1 / 0; MLA_AB picks); then where one 2,048-token prompt
+#      step's host and device time go, expanded (scripts/gpu_step_profile.py --routing uniform);
 #   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
 #      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
 #      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %.
@@ -39,21 +38,18 @@ PY
 }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-[ "${SKIP_TESTS:-0}" = 1 ] || step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
+[ "${SKIP_TESTS:-0}" = 1 ] || MLA_EXPANDED_FRESH=1 step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
   tests/gpu/test_gpu_prefill_graphs.py tests/gpu/test_gpu_parity.py -k "routing or deepseek_v2 or deepseek_v3" \
   -rs --junitxml="$WORK/junit-targets.xml"
 
 if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench synthetic deepseek-v2-lite --seed 0; then
   D=(--synthetic deepseek-v2-lite --expert-budget 100% --routing uniform)
-  ttft dsv2-p64 "${D[@]}" --input-len 64
-  ttft dsv2-p2048 "${D[@]}" --input-len 2048
-  if [ -n "${BEFORE:-}" ] && [ -d "$BEFORE" ]; then
-    swap_in
-    ttft dsv2-p2048-before "${D[@]}" --input-len 2048
-    ttft dsv2-p64-before "${D[@]}" --input-len 64
-    swap_out
-  fi
-  step dsv2-profile python3 scripts/gpu_step_profile.py \
+  # MLA's fresh-prompt steps expanded (1) or absorbed (0), A/B in this call
+  for on in ${MLA_AB:-1 0}; do
+    MLA_EXPANDED_FRESH=$on ttft "dsv2-p2048-mla$on" "${D[@]}" --input-len 2048
+    MLA_EXPANDED_FRESH=$on ttft "dsv2-p64-mla$on" "${D[@]}" --input-len 64
+  done
+  MLA_EXPANDED_FRESH=1 step dsv2-profile python3 scripts/gpu_step_profile.py \
     "$(ls -d "$MOETIER_HOME"/synthetic/deepseek-v2-lite-L27-s0 | head -n 1)" \
     --prompts 2048 --batch 0 --routing uniform
   rm -rf "$MOETIER_HOME"/synthetic/deepseek-v2-lite-*

@@ -36,9 +36,10 @@ def test_latent_cache_matches_expanded(
 def test_fresh_prompt_steps_attend_in_the_expanded_form(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A step of fresh prompts attends in the expanded form (flash-sized heads on CUDA), every
-    other step (decode rows, a later chunk of a prompt) in the absorbed form over the cached
-    latent; the tokens equal those with every step absorbed."""
+    """A step of fresh prompts attends in the expanded form on the CPU by default (flash-sized
+    heads on CUDA, where it is off until timed), every other step (decode rows, a later chunk
+    of a prompt) in the absorbed form over the cached latent; the tokens equal those with every
+    step absorbed."""
     import moetier.layers.mla as mla
 
     path = FAMILIES[family].checkpoint(tmp_path / family)
@@ -60,6 +61,7 @@ def test_fresh_prompt_steps_attend_in_the_expanded_form(
         outs = llm.generate(PROMPTS, params)
         return [o.outputs[0].token_ids for o in outs]
 
+    assert mla.EXPANDED_FRESH is None  # the default: by device
     expanded = run()
     layers = 3  # the tiny checkpoint's attention layers
     # the first step holds the first 8 prompt tokens of fresh prompts only; later chunks and

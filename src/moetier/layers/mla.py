@@ -4,13 +4,15 @@ Owns the MLA projections, the rotary variant of each DeepSeek version and the so
 (with the yarn mscale correction HF applies); attention itself is the shared `attend()` core.
 The KV cache holds the compressed latent plus the rope key (kv_lora_rank + dr per token, ~71x
 less than expanded per-head K/V for DeepSeek-V3), with kv_b_proj absorbed into q and output.
-A step of fresh prompts only (nothing cached before them, no decode rows) caches the same
-latent but attends in the expanded form, as transformers computes it (`_attend_fresh`).
+A step of fresh prompts only (nothing cached before them, no decode rows) may cache the same
+latent but attend in the expanded form, as transformers computes it (`_attend_fresh`; see
+`EXPANDED_FRESH` for where it is on).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -38,8 +40,18 @@ ROPE_STYLES = ("complex", "interleave", "half")
 _LATENT_NORM_EPS = 1e-6
 
 
-# Switch (tests, A/B): steps of fresh prompts attend in the expanded form (`_attend_fresh`).
-EXPANDED_FRESH = True
+# Switch: steps of fresh prompts attend in the expanded form (`_attend_fresh`). None: on the
+# CPU (measured there: not slower, bench/results/2026-12-07-mla-fresh-cpu.md), off on CUDA
+# until a GPU A/B times it (MLA_EXPANDED_FRESH=1 in the environment turns it on there, =0 off
+# everywhere; read at import); True / False: everywhere (tests).
+EXPANDED_FRESH: bool | None = {"1": True, "0": False}.get(os.environ.get("MLA_EXPANDED_FRESH", ""))
+
+
+def _expanded_fresh(x: torch.Tensor, ctx: ForwardContext) -> bool:
+    """Whether this step attends in the expanded form: the switch allows it on x's device and
+    every sequence starts in the step."""
+    on = x.device.type == "cpu" if EXPANDED_FRESH is None else EXPANDED_FRESH
+    return on and _all_fresh(ctx)
 
 
 def _all_fresh(ctx: ForwardContext) -> bool:
@@ -138,7 +150,7 @@ class MLAttention(nn.Module):
         latent, k_rot = ckv.split([self.kv_lora_rank, self.dr], dim=-1)  # [T, r], [T, dr]
         q_rot, k_rot = self._rope(q_rot, k_rot.view(t, 1, self.dr), ctx.positions)  # k: [T, 1, dr]
         latent = self.kv_a_layernorm(latent)  # [T, r]
-        if self.latent_cache and EXPANDED_FRESH and _all_fresh(ctx):
+        if self.latent_cache and _expanded_fresh(x, ctx):
             o = self._attend_fresh(ctx, q_nope, q_rot, latent, k_rot)
         elif self.latent_cache:
             o = self._attend_latent(ctx, q_nope, q_rot, latent, k_rot)
