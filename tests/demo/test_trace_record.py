@@ -1,4 +1,5 @@
-"""A recorded real-text trace: dense model + fit routers route exactly as the built demo does."""
+"""A recorded real-text trace: dense model + fit routers route exactly as the built demo does,
+and its recorded next-layer predictions are the next router on each layer's MoE input."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from moetier.bench.replay import load_trace, replay
 from moetier.bench.routing import collect_routing_from_model
@@ -20,9 +22,67 @@ NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def recorded(demo_home: Path) -> Any:
-    with all_cores():
-        return record_variant_trace(DEFAULT_SPEC, PROMPTS, NEW_TOKENS, demo_home, progress=False)
+def tapped(demo_home: Path) -> tuple[Any, list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(the trace recorded with --predictions, the fit routers, per layer the MoE inputs
+    [T, D] of every traced call): the routers and inputs are taken by wrapping the router fit,
+    whose model then gets hooks that copy each layer's post-attention norm output."""
+    from moetier.demo import builder
+
+    fit = builder.fit_demo_routers
+    routers: list[torch.Tensor] = []
+    inputs: list[list[torch.Tensor]] = []
+
+    def fit_and_tap(model: Any, *args: Any, **kw: Any) -> tuple[list[torch.Tensor], int]:
+        fitted, n = fit(model, *args, **kw)
+        routers.extend(fitted)
+        for layer in model.model.layers:  # after calibration: only the traced forwards
+            calls: list[torch.Tensor] = []
+            inputs.append(calls)
+
+            def copy(m: Any, a: Any, out: torch.Tensor, calls: list[torch.Tensor] = calls) -> None:
+                calls.append(out.detach().reshape(-1, out.shape[-1]).float().clone())
+
+            layer.post_attention_layernorm.register_forward_hook(copy)
+        return fitted, n
+
+    with pytest.MonkeyPatch.context() as mp, all_cores():
+        mp.setattr(builder, "fit_demo_routers", fit_and_tap)
+        trace = record_variant_trace(
+            DEFAULT_SPEC, PROMPTS, NEW_TOKENS, demo_home, progress=False, predictions=True
+        )
+    return trace, routers, inputs
+
+
+@pytest.fixture(scope="module")
+def recorded(tapped: tuple[Any, Any, Any]) -> Any:
+    return tapped[0]
+
+
+def test_predictions_are_the_next_router_on_this_layers_input(
+    tapped: tuple[Any, list[torch.Tensor], list[list[torch.Tensor]]],
+) -> None:
+    """Every line but the last layer's: `predicted` = top-k (best first) of layer l+1's router
+    (bfloat16-rounded, float32 softmax) on layer l's MoE input; `experts` = layer l's own."""
+    trace, routers, inputs = tapped
+    k, last = trace.header.top_k, len(routers) - 1
+    assert trace.version == 2 and len(routers) == 30
+    seen = [0] * len(routers)
+    for rec in trace.records:
+        x = inputs[rec.layer][seen[rec.layer]]  # [T, D]
+        seen[rec.layer] += 1
+
+        def top(w: torch.Tensor, x: torch.Tensor = x) -> list[list[int]]:
+            logits = torch.nn.functional.linear(x, w.to(torch.bfloat16).float())  # [T, E]
+            probs = torch.softmax(logits, dim=-1)
+            ids: list[list[int]] = probs.topk(k, dim=-1).indices.tolist()
+            return ids
+
+        assert rec.experts == top(routers[rec.layer])
+        if rec.layer == last:
+            assert rec.predicted is None  # no next MoE layer in the step
+        else:
+            assert rec.predicted == top(routers[rec.layer + 1])
+    assert seen == [len(calls) for calls in inputs] and seen[0] > 2
 
 
 def test_trace_equals_the_built_demo_routing(

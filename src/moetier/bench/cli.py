@@ -135,7 +135,12 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         help="model (the routers), uniform (seeded top-k draws) or trace:PATH (replay)",
     )
     p.add_argument("--policy", default="lru")
-    p.add_argument("--prefetch", default=None, help="prefetch predictor (default: off)")
+    p.add_argument(
+        "--prefetch",
+        default=None,
+        help="prefetch predictor (default: off); trace: the next-layer predictions recorded in "
+        "the version 2 trace of --routing trace:FILE",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(

@@ -23,6 +23,7 @@ import torch
 from moetier.bench.belady import belady
 from moetier.bench.measure import ConfigRun, run_budget
 from moetier.bench.routing_override import make_source
+from moetier.bench.trace_prefetch import check_sources, registered
 from moetier.errors import BudgetError
 from moetier.weights.gguf import is_gguf
 
@@ -242,11 +243,15 @@ def run_latency(
     routings = [
         (sp, make_source(sp, geo["num_experts"], geo["top_k"], s.seed, device)) for sp in specs
     ]
+    # --prefetch trace reads each call's recorded predictions off the trace routing: check the
+    # routings before any model loads
+    check_sources(s.llm_kwargs.get("prefetch"), [src for _, src in routings])
     notes: list[str] = []
     runs: list[ConfigRun] = []
     for b in budgets:
         try:
-            runs += run_budget(path, b, s, routings, prompts, warm)
+            with registered(s.llm_kwargs.get("prefetch")):
+                runs += run_budget(path, b, s, routings, prompts, warm)
         except BudgetError as exc:  # too few slots for top-k: report it, keep the other budgets
             if b == "100%":
                 raise

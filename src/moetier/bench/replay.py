@@ -268,7 +268,12 @@ class PredictionScore:
 
 
 def predictions(trace: RoutingTrace, name: str) -> list[Prefetch | None]:
-    """Per call, the predictor's (next MoE layer, experts) after observing that call."""
+    """Per call, the predictor's (next MoE layer, experts) after observing that call. `trace`
+    is the predictions recorded in the file itself (version 2; bench/trace_prefetch.py)."""
+    from moetier.bench import trace_prefetch
+
+    if name == trace_prefetch.NAME:
+        return trace_prefetch.recorded_predictions(trace)
     predictor = make_predictor(name, moe_layers=trace.header.moe_layers)
     if predictor.needs_hidden:
         raise ConfigError(

@@ -18,7 +18,10 @@ Trace replay onto another shape: model MoE layer i (i-th MoE layer, counting fro
 trace MoE layer `i mod L_trace`; that layer's per-token rows (all records, in file order) form
 a stream which each call consumes T rows of, wrapping around at the end. Ids are taken mod the
 model's expert count, duplicates dropped, and a row short of K is padded with the next ids
-(e+1, e+2, ... mod E) not yet in it, then cut to K.
+(e+1, e+2, ... mod E) not yet in it, then cut to K. A version 2 trace's recorded next-layer
+predictions ride the same stream: `TraceRouting.predicted(i)` gives the predicted rows of
+exactly the token rows that layer i's last call replayed, mapped the same way (the `trace`
+prefetch predictor, bench/trace_prefetch.py, reads them).
 """
 
 from __future__ import annotations
@@ -107,27 +110,54 @@ class TraceRouting:
             raise ConfigError(f"routing trace {label} has no records")
         self.num_experts, self.top_k, self.label = num_experts, top_k, f"trace {label}"
         layers = trace.header.moe_layers or sorted({r.layer for r in trace.records})
-        rows = [
-            [
-                fit_row(row, num_experts, top_k)
-                for r in trace.records
-                if r.layer == la
-                for row in r.experts
-            ]
-            for la in layers
-        ]
+        per_layer = [[r for r in trace.records if r.layer == la] for la in layers]
+        per_layer = [recs for recs in per_layer if recs]  # trace layers that have records
         # one [N, K] int64 stream per trace layer that has records
-        self.streams = [torch.tensor(r, dtype=torch.long) for r in rows if r]
+        self.streams = [
+            torch.tensor(
+                [fit_row(row, num_experts, top_k) for r in recs for row in r.experts],
+                dtype=torch.long,
+            )
+            for recs in per_layer
+        ]
+        # Version 2: per trace layer, its predicted rows aligned with its stream's rows (a token
+        # row without a prediction, e.g. the last MoE layer's, is []), mapped as the ids are;
+        # None for a layer none of whose calls carries predictions.
+        self.has_predictions = trace.has_predictions
+        self.predicted_streams: list[list[list[int]] | None] = [
+            [
+                fit_row(row, num_experts, top_k) if row else []
+                for r in recs
+                for row in (r.predicted or [[]] * len(r.experts))
+            ]
+            if any(r.predicted is not None for r in recs)
+            else None
+            for recs in per_layer
+        ]
         self.cursor: dict[int, int] = {}
+        self.last_call: dict[int, tuple[int, int]] = {}  # index -> (stream position, T)
 
     def ids(self, index: int, num_tokens: int) -> torch.Tensor:
         stream = self.streams[index % len(self.streams)]
         pos = self.cursor.get(index, 0)
         self.cursor[index] = pos + num_tokens
+        self.last_call[index] = (pos, num_tokens)
         return stream[torch.arange(pos, pos + num_tokens) % stream.shape[0]]  # [T, K]
+
+    def predicted(self, index: int) -> list[list[int]]:
+        """The recorded next-layer predictions of the token rows that the index-th MoE layer's
+        last call replayed, in token order (same stream positions, same id mapping); [] before
+        its first call or where the trace layer has none."""
+        call = self.last_call.get(index)
+        preds = self.predicted_streams[index % len(self.streams)]
+        if call is None or preds is None:
+            return []
+        pos, n = call
+        return [preds[(pos + t) % len(preds)] for t in range(n)]
 
     def reset(self) -> None:
         self.cursor.clear()
+        self.last_call.clear()
 
 
 class OverrideGate(nn.Module):

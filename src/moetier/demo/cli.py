@@ -45,6 +45,13 @@ def add_demo_parsers(sub: Any) -> None:
         "--prompts-file", default=None, help="one prompt per line (default: the shipped set)"
     )
     rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument(
+        "--predictions",
+        action="store_true",
+        help="also record each call's next-MoE-layer gate lookahead (the next layer's router on "
+        "this layer's MoE input, top-k) as `predicted` rows: a version 2 trace, replayable by "
+        "`bench latency --prefetch trace` and `replay --predictor trace`",
+    )
     rec.set_defaults(func=cmd_record_trace)
 
     rp = sub.add_parser(
@@ -64,7 +71,8 @@ def add_demo_parsers(sub: Any) -> None:
         "--predictor",
         default="",
         help="comma-separated next-layer predictors to score (same-index, last-call, "
-        "activation): precision, recall, and each policy's hit rate with them prefetched",
+        "activation; trace: the predictions recorded in a version 2 FILE): precision, recall, "
+        "and each policy's hit rate with them prefetched",
     )
     rp.add_argument(
         "--expert-budget",
@@ -142,7 +150,7 @@ def cmd_record_trace(args: argparse.Namespace) -> int:
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts = [line.strip() for line in f if line.strip()]
-    trace = record_variant_trace(spec, prompts, args.max_new_tokens)
+    trace = record_variant_trace(spec, prompts, args.max_new_tokens, predictions=args.predictions)
     out = save_trace(trace, args.out)
     stats = trace_stats(trace)
     s = stats.summary

@@ -10,6 +10,13 @@ softmax, top-k) and returns a `moetier-trace` (format and writer: `moetier.bench
 A 128-expert trace thus costs a 135M-parameter dense decode, not a 20 GB checkpoint. The only
 difference to the built variant is float rounding: the variant adds k copies of the FFN output
 weighted by renormalized probabilities, which can flip near-tied routing decisions rarely.
+
+With `predictions` each line also carries the gate-lookahead prediction for the next MoE layer
+(format version 2): layer l+1's router applied to layer l's MoE input, the same float32 logits
+of the bfloat16-rounded weight, top-k, best first, for every token of the call. Every router is
+known and layer l's MoE input is at hand when layer l routes, so this is exactly what the
+engine's `gate-lookahead` predictor would guess. The last MoE layer has no next layer in its
+step: its lines omit `predicted`.
 """
 
 from __future__ import annotations
@@ -48,15 +55,19 @@ def trace_prompts() -> list[str]:
 
 
 class _RouterTap:
-    """Forward hooks that route each layer's MoE input and emit one TraceRecord per layer call."""
+    """Forward hooks that route each layer's MoE input and emit one TraceRecord per layer call
+    (with `predictions`, each also holding the next layer's router's top-k on that input)."""
 
-    def __init__(self, model: Any, routers: list[torch.Tensor], top_k: int) -> None:
+    def __init__(
+        self, model: Any, routers: list[torch.Tensor], top_k: int, predictions: bool = False
+    ) -> None:
         self.layers = model.model.layers
         if len(routers) != len(self.layers):
             raise ValueError(f"{len(routers)} routers for {len(self.layers)} layers")
         # the checkpoint stores routers in bfloat16; the variant computes in float32
         self.weights = [r.to(torch.bfloat16).float() for r in routers]
         self.top_k = top_k
+        self.predictions = predictions
         self.records: list[TraceRecord] = []
         self.step = 0
         self.request = 0
@@ -73,17 +84,26 @@ class _RouterTap:
             handle.remove()
         self._handles = []
 
+    def _top_k(self, x: torch.Tensor, weight: torch.Tensor) -> list[list[int]]:
+        """[T, K] ids, best first: top-k of softmax(x W^T), as the Mixtral router picks."""
+        probs = torch.softmax(torch.nn.functional.linear(x, weight), dim=-1)  # [T, E]
+        ids: list[list[int]] = probs.topk(self.top_k, dim=-1).indices.tolist()
+        return ids
+
     def _hook_for(self, layer: int) -> Any:
         weight = self.weights[layer]
+        last = layer + 1 == len(self.weights)
+        ahead = None if last or not self.predictions else self.weights[layer + 1]
 
         def hook(module: Any, args: Any, output: torch.Tensor) -> None:
             # layer 0 opens a new step: one forward of the model = one engine step
             if layer == 0 and self.records:
                 self.step += 1
             x = output.detach().reshape(-1, weight.shape[1]).float()  # [T, D]
-            probs = torch.softmax(torch.nn.functional.linear(x, weight), dim=-1)  # [T, E]
-            ids = probs.topk(self.top_k, dim=-1).indices.tolist()  # [T, K], best first
-            self.records.append(TraceRecord(self.step, layer, [self.request] * len(ids), ids))
+            ids = self._top_k(x, weight)  # [T, K]
+            predicted = None if ahead is None else self._top_k(x, ahead)  # layer l+1's, [T, K]
+            requests = [self.request] * len(ids)
+            self.records.append(TraceRecord(self.step, layer, requests, ids, predicted))
 
         return hook
 
@@ -96,14 +116,16 @@ def trace_routing(
     prompts: list[str],
     max_new_tokens: int,
     progress: bool = True,
+    predictions: bool = False,
 ) -> RoutingTrace:
-    """Greedy-answer each prompt (chat template, batch 1) and trace the routers' top-k choices.
+    """Greedy-answer each prompt (chat template, batch 1) and trace the routers' top-k choices
+    (with `predictions`, also each call's next-layer lookahead: see the module docstring).
 
     Steps count up across prompts; request r is prompts[r]. The last generated token is not
     fed back, as in any engine: a prompt of P tokens answered with N tokens gives one prefill
     step of P tokens and N - 1 decode steps.
     """
-    tap = _RouterTap(model, routers, header.top_k)
+    tap = _RouterTap(model, routers, header.top_k, predictions)
     bar = tqdm(prompts, desc="tracing prompts", unit="prompt", disable=not progress)
     with tap, torch.inference_mode():
         for request, prompt in enumerate(bar):
@@ -178,11 +200,13 @@ def record_variant_trace(
     max_new_tokens: int = 128,
     home: str | Path | None = None,
     progress: bool = True,
+    predictions: bool = False,
 ) -> RoutingTrace:
     """The routing trace the unperturbed variant `spec` would produce, from the dense model.
 
     Fits the variant's routers exactly as `moetier build-demo --experts E --top-k K` does (same
-    calibration, same seed), then traces `prompts` (None: `trace_prompts()`).
+    calibration, same seed), then traces `prompts` (None: `trace_prompts()`); `predictions`
+    records each call's next-layer lookahead too (a version 2 trace).
     """
     from moetier.demo.builder import fit_demo_routers, load_bf16_dense, moetier_home
     from moetier.demo.variants import SOURCE_LAYERS
@@ -197,4 +221,6 @@ def record_variant_trace(
         expert_bytes=spec.expert_bytes,
     )
     prompts = trace_prompts() if prompts is None else prompts
-    return trace_routing(model, tokenizer, routers, header, prompts, max_new_tokens, progress)
+    return trace_routing(
+        model, tokenizer, routers, header, prompts, max_new_tokens, progress, predictions
+    )
