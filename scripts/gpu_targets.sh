@@ -6,7 +6,7 @@
 #      graphs (MLA's fresh-prompt steps in the expanded form, flash); SKIP_TESTS=1 skips;
 #   2. DeepSeek-V2-Lite (27 layers): TTFT of 2,048- and 64-token prompts, every expert resident,
 #      uniform routing (now drawn on the device), with MLA's fresh-prompt steps expanded and
-#      absorbed (MLA_EXPANDED_FRESH=1 / 0; MLA_AB picks); then where one 2,048-token prompt
+#      absorbed (MLA_EXPANDED_FRESH=1 / 0; MLA_AB and DSV2_PROMPTS pick); then where one 2,048-token prompt
 #      step's host and device time go, expanded (scripts/gpu_step_profile.py --routing uniform);
 #   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
 #      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
@@ -46,8 +46,9 @@ if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench syn
   D=(--synthetic deepseek-v2-lite --expert-budget 100% --routing uniform)
   # MLA's fresh-prompt steps expanded (1) or absorbed (0), A/B in this call
   for on in ${MLA_AB:-1 0}; do
-    MLA_EXPANDED_FRESH=$on ttft "dsv2-p2048-mla$on" "${D[@]}" --input-len 2048
-    MLA_EXPANDED_FRESH=$on ttft "dsv2-p64-mla$on" "${D[@]}" --input-len 64
+    for n in ${DSV2_PROMPTS:-2048 64}; do
+      MLA_EXPANDED_FRESH=$on ttft "dsv2-p$n-mla$on" "${D[@]}" --input-len "$n"
+    done
   done
   MLA_EXPANDED_FRESH=1 step dsv2-profile python3 scripts/gpu_step_profile.py \
     "$(ls -d "$MOETIER_HOME"/synthetic/deepseek-v2-lite-L27-s0 | head -n 1)" \
