@@ -244,6 +244,10 @@ class PagedKVCache:
         pool.index_copy_(0, slots, q)
         scales.index_copy_(0, slots, s)
 
+    def exact(self, dtype: torch.dtype) -> bool:
+        """Values of `dtype` come back unchanged: stored as they are, in `dtype` itself."""
+        return not self.format.scaled and self.format.storage == dtype
+
     def read(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

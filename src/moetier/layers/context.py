@@ -28,6 +28,11 @@ class KVStore(Protocol):
         quantizes); V None when only keys are stored."""
         ...
 
+    def exact(self, dtype: torch.dtype) -> bool:
+        """Whether a read in `dtype` gives back exactly what was written in `dtype` (no
+        quantization or narrower storage)."""
+        ...
+
 
 @dataclass
 class KVBatch:

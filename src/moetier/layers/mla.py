@@ -48,10 +48,11 @@ EXPANDED_FRESH: bool | None = {"1": True, "0": False}.get(os.environ.get("MLA_EX
 
 
 def _expanded_fresh(x: torch.Tensor, ctx: ForwardContext) -> bool:
-    """Whether this step attends in the expanded form: the switch allows it on x's device and
-    every sequence starts in the step."""
+    """Whether this step attends in the expanded form: the switch allows it on x's device,
+    every sequence starts in the step, and the cache stores the latent exactly (a lossy KV
+    format's prompt attends over what the cache gives back, as every other layer's does)."""
     on = x.device.type == "cpu" if EXPANDED_FRESH is None else EXPANDED_FRESH
-    return on and _all_fresh(ctx)
+    return on and _all_fresh(ctx) and ctx.kv.exact(x.dtype)
 
 
 def _all_fresh(ctx: ForwardContext) -> bool:
