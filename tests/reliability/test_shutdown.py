@@ -133,7 +133,9 @@ def _refused(server: LiveServer, stream_ended: Any) -> bool:
     while time.monotonic() < deadline:
         try:
             httpx.get(f"{server.url}/health", timeout=1)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            # refused, or (a race with the listener closing) taken by the kernel's backlog and
+            # closed unanswered: either way the server no longer serves new connections
             return not stream_ended() and server.proc.poll() is None
         time.sleep(0.05)
     return False
