@@ -2,10 +2,9 @@
 # One device call for the work that landed without a GPU run (2026-12-06), from the repo root on
 # the GPU machine, in priority order (each step logs and the script goes on when one fails; no
 # step starts within 30 s of DEADLINE seconds):
-#   1. GPU tests of the changed paths: Gemma 4 on the expert kernels (GELU_TANH) across
-#      tests/gpu, and MXFP4 compressed kernels with the word decode (MXFP4_BYTE_TILES=0);
-#   2. scripts/gpu_formats.py MXFP4_COMPARE=1 SWEEP=0: the MXFP4 slot kernel's byte and word
-#      decodes timed and compared bit for bit (gpt-oss-20b and Qwen3-30B-A3B expert shapes);
+#   1. GPU tests: Gemma 4 on the expert kernels (GELU_TANH) across tests/gpu, and the MXFP4
+#      compressed kernels and graphs (gpt-oss);
+#   2. scripts/gpu_formats.py SWEEP=0: every slot format's kernels timed (Qwen3-30B-A3B expert);
 #   3. rows (scripts/gpu_rows.sh): Gemma-4-26B-A4B at 12 layers, 100 / 25 % (TPOT before the
 #      kernels: 41.61 ms, 0 graph replays, H100); then the Qwen3-30B-A3B shape at 12 layers, a
 #      2,048-token prompt at 25 %, stream_eviction on and off (TTFT, prefill H2D bytes, greedy
@@ -30,11 +29,11 @@ log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>
 step tests-gemma4 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu ${EXTRA_TESTS:-} \
   -k "gemma4 or gelu${EXTRA_K:+ or $EXTRA_K}" \
   -rs --junitxml="$WORK/junit-gemma4.xml"
-MXFP4_BYTE_TILES=0 step tests-mxfp4-words python3 -m pytest -q -m gpu -p no:cacheprovider \
+step tests-mxfp4 python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/gpu/test_gpu_compressed_kernels.py tests/gpu/test_gpu_graphs.py -k "mxfp4 or gpt_oss" \
-  -rs --junitxml="$WORK/junit-mxfp4-words.xml"
+  -rs --junitxml="$WORK/junit-mxfp4.xml"
 mkdir -p "$WORK/formats"
-OUT="$WORK/formats" MXFP4_COMPARE=1 SWEEP=0 step formats python3 scripts/gpu_formats.py
+OUT="$WORK/formats" SWEEP=0 step formats python3 scripts/gpu_formats.py
 cp "$WORK/formats/formats.md" "$WORK/formats.md" 2>/dev/null
 
 # the rows, each call of gpu_rows.sh under what is left of this call's deadline

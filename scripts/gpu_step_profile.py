@@ -41,8 +41,13 @@ def main() -> None:
         install(runner.model.moe_blocks(), source)
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
 
+    seen = [0]
+
     def prompt_step(n: int) -> None:
-        eng.add_request([(7 * i + 3) % 30000 + 1 for i in range(n)], params)
+        # a new prompt each time: a repeated one would reuse its cached prefix (prefix caching
+        # is on), which is not the fresh prompt step being profiled
+        seen[0] += 1
+        eng.add_request([(7 * i + 3 + seen[0]) % 30000 + 1 for i in range(n)], params)
         eng.step()
 
     def drain() -> None:

@@ -38,7 +38,7 @@ PY
 }
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-[ "${SKIP_TESTS:-0}" = 1 ] || MLA_EXPANDED_FRESH=1 step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
+[ "${SKIP_TESTS:-0}" = 1 ] || step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_routing_override.py \
   tests/gpu/test_gpu_prefill_graphs.py tests/gpu/test_gpu_parity.py -k "routing or deepseek_v2 or deepseek_v3" \
   -rs --junitxml="$WORK/junit-targets.xml"
 

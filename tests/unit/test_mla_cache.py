@@ -61,7 +61,7 @@ def test_fresh_prompt_steps_attend_in_the_expanded_form(
         outs = llm.generate(PROMPTS, params)
         return [o.outputs[0].token_ids for o in outs]
 
-    assert mla.EXPANDED_FRESH is None  # the default: by device
+    assert mla.EXPANDED_FRESH is True  # the default
     expanded = run()
     layers = 3  # the tiny checkpoint's attention layers
     # the first step holds the first 8 prompt tokens of fresh prompts only; later chunks and

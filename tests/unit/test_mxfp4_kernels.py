@@ -114,19 +114,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("byte_tiles", ["1", "0"])
-def test_mxfp4_kernels_match_reference_in_interpreter(byte_tiles: str) -> None:
-    """Both MXFP4 decodes of the slot kernel (`MXFP4_BYTE_TILES`, read at import) and the
-    grouped kernel against the reference."""
+def test_mxfp4_kernels_match_reference_in_interpreter() -> None:
+    """The slot kernel's and the grouped kernel's MXFP4 decodes against the reference."""
     pytest.importorskip("triton")
-    _run_in_interpreter(
-        f"import os\nos.environ['MXFP4_BYTE_TILES'] = '{byte_tiles}'\n" + _MXFP4_KERNELS
-    )
+    _run_in_interpreter(_MXFP4_KERNELS)
 
 
 _MXFP4_EXACT = """
-import os
-os.environ["MXFP4_BYTE_TILES"] = "0"  # the word path (the byte path's default is its own test)
 import torch
 import triton
 import triton.language as tl

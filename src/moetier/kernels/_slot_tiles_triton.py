@@ -6,17 +6,8 @@ weights/mxfp4.py does (E2M1 value x 2^(scale - 127)), operation for operation in
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-# Temporary, until one GPU measurement (scripts/gpu_formats.py MXFP4_COMPARE=1 times each value
-# in its own process): `dot_chunk` reads MXFP4 with the byte-wise `_dot_mxfp4_bytes`, the path
-# the GPU suite has run (H200 and H100, 2026-12-06), unless MXFP4_BYTE_TILES=0 in the
-# environment at import selects `_dot_mxfp4`'s word loads (exact in the interpreter, compiled
-# to sm_90 PTX, never run on a GPU yet). Once measured: keep the faster, delete the switch.
-MXFP4_BYTE_TILES = tl.constexpr(os.environ.get("MXFP4_BYTE_TILES", "1") == "1")
 
 
 @triton.jit
@@ -216,30 +207,6 @@ def _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
-def _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt: tl.constexpr, BK: tl.constexpr):
-    """MXFP4 byte-wise (the former `_dot_mxfp4`, kept for MXFP4_BYTE_TILES): BK columns from
-    k0 (BK // 32 blocks, the last chunk masked) of rows r [BN]: each block's 16 bytes and one
-    scale per (row, block); low nibbles against x's even columns, high nibbles against the
-    odd ones (no interleave of the decoded tiles)."""
-    kb = tl.arange(0, BK // 32)[None, :, None]
-    j = tl.arange(0, 16)[None, None, :]
-    col = k0 + 32 * kb + 2 * j  # [1, NB, 16] the even columns
-    kbm = (k0 // 32 + kb) * 32 < COLS  # [1, NB, 1]
-    cmask = col < COLS
-    rb = r[:, None, None]
-    q = tl.load(base + rb * (COLS // 2) + k0 // 2 + 16 * kb + j, mask=cmask, other=0)
-    q = q.to(tl.int32)  # [BN, NB, 16]
-    s = tl.load(base + S_OFF + rb * (COLS // 32) + k0 // 32 + kb, mask=kbm, other=127)
-    scale = _e8m0(s.to(tl.int32))  # [BN, NB, 1]
-    w_even = (_fp4(q & 0x0F) * scale).to(dt).to(tl.float32)
-    w_odd = (_fp4(q >> 4) * scale).to(dt).to(tl.float32)
-    x_even = tl.load(x_row + col, mask=cmask, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_row + col + 1, mask=cmask, other=0.0).to(tl.float32)
-    part = w_even * x_even + w_odd * x_odd
-    return tl.sum(tl.sum(part, axis=2), axis=1)
-
-
-@triton.jit
 def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
               dt: tl.constexpr, FMT: tl.constexpr, BK: tl.constexpr,
               WARPS: tl.constexpr):  # fmt: skip
@@ -273,10 +240,7 @@ def dot_chunk(base, rows, rmask, x_row, k0, COLS, S_OFF, BR, BC: tl.constexpr,
         if FMT == 2:
             return _dot_q8_0(base, r, x_row, k0, COLS, dt, BK)
         elif FMT == 6:
-            if MXFP4_BYTE_TILES:
-                return _dot_mxfp4_bytes(base, r, x_row, k0, COLS, S_OFF, dt, BK)
-            else:
-                return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK, WARPS)
+            return _dot_mxfp4(base, r, x_row, k0, COLS, S_OFF, dt, BK, WARPS)
         elif FMT == 5:
             return _dot_q6k(base, r, x_row, k0, COLS, dt)
         else:
