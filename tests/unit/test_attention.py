@@ -1,7 +1,8 @@
-"""The CPU prefill path for a chunk with cached history (`_attend_with_history`: the history and
-the new tokens in two mask-free flash calls, merged by log-sum-exp) against SDPA with the
-explicit causal mask it replaces, on random inputs (GQA, MQA, MHA), and through `attend` over
-a paged KV cache with the switch on and off."""
+"""The CPU prefill paths against SDPA with the explicit causal mask they replace: a chunk with
+cached history (`_attend_with_history`: the history and the new tokens in two mask-free flash
+calls, merged by log-sum-exp) on random inputs (GQA, MQA, MHA) and through `attend` over a paged
+KV cache with the switch on and off; fresh prompts (`is_causal`, no mask built) through
+`attend`."""
 
 from __future__ import annotations
 
@@ -104,8 +105,43 @@ def test_attend_splits_only_chunks_with_history(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(attention, "_attend_with_history", counting)
     monkeypatch.setattr(attention, "SPLIT_HISTORY", True)
     split = _two_steps(True)
-    assert calls == [10]  # seq 0's second chunk only: fresh prompts keep the masked call
+    assert calls == [10]  # seq 0's second chunk only: fresh prompts are `is_causal`
     masked = _two_steps(False)
     assert calls == [10]
     for a, b in zip(split, masked):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_fresh_prompts_are_causal_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fresh prompts in one step (130 and 7 tokens; the demo's 9 query heads over 3 KV
+    heads of 64): `attend` builds no causal mask for them, and each equals the masked call
+    bit for bit (the flash kernel's fully masked key blocks add exact zeros; with `is_causal`
+    it skips them)."""
+    built: list[int] = []
+    real = attention._causal_mask
+
+    def counting(ctx: ForwardContext, i: int, *args: Any) -> torch.Tensor:
+        built.append(i)
+        return real(ctx, i, *args)
+
+    monkeypatch.setattr(attention, "_causal_mask", counting)
+    g = torch.Generator().manual_seed(3)
+    m = BlockManager(num_blocks=48, block_size=4)
+    cache = PagedKVCache(m, CPU, {0: LayerKV((3, 64), (3, 64))}, KV_FORMATS["fp32"])
+    step = [(0, 0, 130), (1, 0, 7)]
+    spans, start = [], 0
+    for seq, past, n in step:
+        m.allocate(seq, n)
+        spans.append(SeqSpan(seq, start, start + n, past))
+        start += n
+    positions = torch.cat([torch.arange(n) for _, _, n in step])
+    ctx = ForwardContext(spans, positions, cache, cache.build_batch(step, start))
+    q = torch.randn(start, 9, 64, generator=g)
+    k, v = torch.randn(start, 3, 64, generator=g), torch.randn(start, 3, 64, generator=g)
+    out = attend(ctx, 0, q, k, v, 64**-0.5)
+    assert built == []
+    for span in spans:
+        rows = slice(span.start, span.end)
+        qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        want = _masked(qs, ks, vs, 0)[0].transpose(0, 1)
+        assert torch.equal(out[rows], want)

@@ -46,9 +46,9 @@ def attend(
     block table, in q's dtype (the cache casts or dequantizes what it stores, see
     engine/kv_cache.py): all one-token (decode) rows in one batched SDPA call with a padding
     mask, each longer chunk (prefill) in its own call with a causal mask offset by the cached
-    tokens (on CUDA a chunk with nothing cached before it is `is_causal`, SDPA's flash
-    kernel; on the CPU a chunk with history takes `_attend_with_history`, two mask-free flash
-    calls). GQA heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
+    tokens (a chunk with nothing cached before it is `is_causal`, SDPA's flash kernel; on
+    the CPU a chunk with history takes `_attend_with_history`, two mask-free flash calls).
+    GQA heads are grouped by SDPA (`enable_gqa`), never copied; no host sync.
     """
     meta = ctx.kv_batch
     ctx.kv.write(layer, k, v, meta.slot_mapping)
@@ -84,9 +84,10 @@ def attend(
         ks, vs = history(slots)  # [L, Hkv, d*]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, d*]
         plain = chunk is None and window is None and sinks is None
-        if span.past == 0 and plain and q.is_cuda:
+        if span.past == 0 and plain:
             # A fresh prompt is plain causal attention: no mask lets SDPA pick its flash
-            # kernel (native GQA); a mask would send it to a slower kernel.
+            # kernel (native GQA) and skip the key blocks above the diagonal; a mask sends
+            # CUDA to a slower kernel and makes the CPU's flash kernel visit every block.
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
