@@ -46,13 +46,22 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     None when it has none."""
     from transformers import AutoTokenizer
 
-    from moetier.weights.gguf import is_gguf
+    from moetier.weights.gguf import gguf_architecture, is_gguf
 
     try:
         if is_gguf(model_dir):  # the tokenizer and chat template are in the file's metadata
             path = Path(model_dir)
             if not path.is_file():
                 return None  # the engine's load names the missing file
+            if gguf_architecture(path) == "gpt-oss":
+                # AutoTokenizer first reads the file's config through transformers' GGUF
+                # mapping, which fails on gpt-oss's rope.scaling keys; the class it would pick
+                # (gpt_oss maps none: the tokenizers backend) builds from the file alone.
+                from transformers import PreTrainedTokenizerFast
+
+                return PreTrainedTokenizerFast.from_pretrained(
+                    str(path.parent), gguf_file=path.name
+                )
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError, KeyError) as exc:

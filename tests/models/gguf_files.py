@@ -5,6 +5,12 @@ rows are permuted as llama.cpp's converter does, and experts are stored in a GGU
 Q8_0 quantized from the model's weights (`gguf.quants.quantize`), K types as random valid blocks
 (the gguf package quantizes no K type). The reference dequantizes the same bytes with
 `gguf.quants.dequantize`, so parity holds either way.
+
+gpt-oss (`write_gpt_oss_gguf`) is written as llama.cpp's converter (GptOssModel) writes it: its
+metadata, experts split from HF's interleaved gate_up (weights and biases: gate = even rows or
+columns, up = odd), MXFP4 experts repacked from the HF MXFP4 blocks and scales into ggml's
+`block_mxfp4` (scale byte first, element j and j + 16 in byte j), or, from float experts,
+quantized to another type after the transpose.
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from gguf import GGMLQuantizationType as T
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moetier.weights.gguf_quants import GGUF_CODECS, GGUFCodec, random_blocks
+from moetier.weights.mxfp4 import quantize as mxfp4_quantize
+from tests.models.families import FAMILIES
 from tests.models.parity import randomize
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
 ARCH_ENUM = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
     "llama": gguf.MODEL_ARCH.LLAMA,
+    "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
 }
 
 # Shapes whose every matrix has rows of whole K-quant blocks (256 values).
@@ -58,6 +67,9 @@ TINY_FAMILY: dict[str, dict[str, Any]] = {
         mlp_only_layers=[],
     ),
     "mixtral": dict(TINY, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2),
+    # the cross-family recipe (D 64, I 32: rows of whole MXFP4 and Q8_0 blocks), sliding
+    # window 4, yarn rope
+    "gpt_oss": {**FAMILIES["gpt_oss"].tiny, **FAMILIES["gpt_oss"].main},
 }
 Q4_K_M = (T.Q4_K, T.Q4_K, T.Q6_K)  # gate, up, down as llama.cpp's Q4_K_M stores most layers
 
@@ -208,8 +220,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None) -> None:
-    """A byte-level BPE tokenizer (e.g. tests/server/tiny.py's) as GGUF metadata."""
+def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None, pre: str = "qwen2") -> None:
+    """A byte-level BPE tokenizer (e.g. tests/server/tiny.py's) as GGUF metadata, with
+    llama.cpp's pre-tokenizer name `pre`."""
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t.content for t in tok.added_tokens_decoder.values()}  # llama.cpp: CONTROL
@@ -218,7 +231,7 @@ def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None) -> None:
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(
         [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
@@ -250,3 +263,198 @@ def transformers_gguf(path: Path, **config: Any) -> Any:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def hf_mxfp4_experts(model: Any) -> dict[str, torch.Tensor]:
+    """The model's experts as the released gpt-oss checkpoints store them (what
+    tests/models/test_gpt_oss.py's `to_mxfp4` saves): `{gate_up,down}_proj_blocks`
+    [E, rows, cols/32, 16] and `_scales` [E, rows, cols/32], rows as in HF's transposed
+    float tensor (gate_up's interleaved)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            pairs = [mxfp4_quantize(t[e].t()) for e in range(t.shape[0])]
+            out[name + "_blocks"] = torch.stack([b for b, _ in pairs])
+            out[name + "_scales"] = torch.stack([s for _, s in pairs])
+    return out
+
+
+def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """HF MXFP4 (blocks [E, rows, G, 16]: element 2k low nibble of byte k, 2k + 1 high;
+    scales [E, rows, G]) -> ggml `block_mxfp4` bytes [E, rows, G * 17], as llama.cpp's
+    converter repacks them: per block the scale byte, then byte j holding element j in its
+    low nibble and element j + 16 in its high one."""
+    nibbles = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., 32]
+    qs = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+    packed = torch.cat([scales.unsqueeze(-1), qs], dim=-1)  # [E, rows, G, 17]
+    return packed.flatten(-2).numpy()
+
+
+GPT_OSS_KEYS = (  # the metadata llama.cpp's converter writes for gpt-oss (by key suffix)
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+    "rope.freq_base",
+    "attention.layer_norm_rms_epsilon",
+    "expert_count",
+    "expert_used_count",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.sliding_window",
+    "expert_feed_forward_length",
+)
+
+
+def _gpt_oss_metadata(w: gguf.GGUFWriter, cfg: Any, skip: str | None) -> None:
+    """TextModel.set_gguf_parameters, then GptOssModel's (sliding window, expert width)."""
+    rope = cfg.rope_parameters
+    yarn = rope.get("rope_type") == "yarn"
+    values: dict[str, Any] = {
+        "block_count": w.add_block_count,
+        "context_length": w.add_context_length,
+        "embedding_length": w.add_embedding_length,
+        "feed_forward_length": w.add_feed_forward_length,
+        "attention.head_count": w.add_head_count,
+        "attention.head_count_kv": w.add_head_count_kv,
+        "rope.freq_base": w.add_rope_freq_base,
+        "attention.layer_norm_rms_epsilon": w.add_layer_norm_rms_eps,
+        "expert_count": w.add_expert_count,
+        "expert_used_count": w.add_expert_used_count,
+        "attention.key_length": w.add_key_length,
+        "attention.value_length": w.add_value_length,
+        "attention.sliding_window": w.add_sliding_window,
+        "expert_feed_forward_length": w.add_expert_feed_forward_length,
+    }
+    if yarn:
+        values.update(
+            {
+                "rope.scaling.type": w.add_rope_scaling_type,
+                "rope.scaling.factor": w.add_rope_scaling_factor,
+                "rope.scaling.original_context_length": w.add_rope_scaling_orig_ctx_len,
+                "rope.scaling.yarn_beta_fast": w.add_rope_scaling_yarn_beta_fast,
+                "rope.scaling.yarn_beta_slow": w.add_rope_scaling_yarn_beta_slow,
+            }
+        )
+    args = {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "rope.scaling.type": gguf.RopeScalingType.YARN,
+        "rope.scaling.factor": rope.get("factor"),
+        "rope.scaling.original_context_length": rope.get("original_max_position_embeddings"),
+        "rope.scaling.yarn_beta_fast": rope.get("beta_fast"),
+        "rope.scaling.yarn_beta_slow": rope.get("beta_slow"),
+        "rope.freq_base": float(rope["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+        "expert_count": cfg.num_local_experts,
+        "expert_used_count": cfg.num_experts_per_tok,
+        "attention.key_length": cfg.head_dim,
+        "attention.value_length": cfg.head_dim,
+        "attention.sliding_window": cfg.sliding_window,
+        "expert_feed_forward_length": cfg.intermediate_size,
+    }
+    for key in GPT_OSS_KEYS:
+        if key in values and key != skip:
+            values[key](args[key])
+
+
+def write_gpt_oss_gguf(
+    model: Any,
+    path: Path,
+    experts: T = T.MXFP4,
+    dense_type: T = T.F32,
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+    skip: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write `model` (a tiny HF gpt-oss) as llama.cpp's converter writes gpt-oss: MXFP4
+    experts repacked from the HF MXFP4 checkpoint's blocks (`hf_mxfp4_experts`), or experts
+    of another type quantized from the float weights; other 2-D weights but the router in
+    `dense_type`, the rest F32; metadata key `skip` left out. Return the reference state
+    dict (experts and quantized weights as gguf dequantizes the bytes written, in HF's
+    layout: gate_up [E, D, 2I] interleaved, down [E, I, D])."""
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name("tiny-gpt-oss")
+    _gpt_oss_metadata(w, cfg, skip)
+    if tokenizer is not None:
+        _tokenizer(w, tokenizer, chat_template, "gpt-4o")  # llama.cpp's name for o200k
+    mx = hf_mxfp4_experts(model) if experts == T.MXFP4 else {}
+    ref: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        value = tensor.detach().float()
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else ""
+        if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            part = "gate_up" if hf_name.endswith("gate_up_proj") else "down"
+            if experts == T.MXFP4:  # [E, rows, G, 16] + [E, rows, G], rows as transposed
+                blocks, scales = mx[hf_name + "_blocks"], mx[hf_name + "_scales"]
+                mats = (
+                    {"down": (blocks, scales)}
+                    if part == "down"
+                    else {
+                        "gate": (blocks[:, 0::2], scales[:, 0::2]),
+                        "up": (blocks[:, 1::2], scales[:, 1::2]),
+                    }
+                )
+                raws = {k: ggml_mxfp4(b, s) for k, (b, s) in mats.items()}
+            else:  # float experts: transposed to [E, rows, cols], gate/up de-interleaved
+                rows = value.transpose(-1, -2)
+                mats_f = (
+                    {"down": rows}
+                    if part == "down"
+                    else {"gate": rows[:, 0::2], "up": rows[:, 1::2]}
+                )
+                raws = {}
+                for k, v in mats_f.items():
+                    e, r, c = v.shape
+                    q = gguf.quants.quantize(np.ascontiguousarray(v.reshape(e * r, c)), experts)
+                    raws[k] = np.ascontiguousarray(q).view(np.uint8).reshape(e, r, -1)
+            deq = {}
+            for k, raw in raws.items():
+                w.add_tensor(f"blk.{layer}.ffn_{k}_exps.weight", raw, raw_dtype=experts)
+                e, r = raw.shape[:2]
+                d = gguf.quants.dequantize(raw.reshape(e * r, -1), experts).reshape(e, r, -1)
+                deq[k] = torch.from_numpy(np.array(d, dtype=np.float32))
+            if part == "down":
+                ref[hf_name] = deq["down"].transpose(-1, -2).contiguous()
+            else:  # re-interleaved: rows 2i gate, 2i + 1 up
+                both = torch.stack([deq["gate"], deq["up"]], dim=2).flatten(1, 2)
+                ref[hf_name] = both.transpose(-1, -2).contiguous()
+            continue
+        ref[hf_name] = value.clone()
+        if hf_name.endswith("gate_up_proj_bias"):
+            for k, v in (("gate", value[..., 0::2]), ("up", value[..., 1::2])):
+                w.add_tensor(f"blk.{layer}.ffn_{k}_exps.bias", np.ascontiguousarray(v.numpy()))
+            continue
+        if hf_name.endswith("down_proj_bias"):
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.bias", value.numpy())
+            continue
+        # the converter names sinks `...self_attn.sinks.weight`
+        base, suffix = (hf_name, "weight") if hf_name.endswith("sinks") else hf_name.rsplit(".", 1)
+        gguf_name = names.get_name(base)
+        assert gguf_name is not None, f"no GGUF name for {hf_name}"
+        quantize = value.dim() == 2 and suffix == "weight" and "ffn_gate_inp" not in gguf_name
+        if not quantize or dense_type == T.F32:
+            w.add_tensor(f"{gguf_name}.{suffix}", value.numpy())
+            continue
+        raw = gguf.quants.quantize(np.ascontiguousarray(value.numpy()), dense_type)
+        w.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=dense_type)
+        deq_dense = gguf.quants.dequantize(raw, dense_type).reshape(value.shape)
+        ref[hf_name] = torch.from_numpy(np.array(deq_dense, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref

@@ -5,17 +5,21 @@ Tiny random HF models are written as GGUF (tests/models/gguf_files.py) with expe
 Qwen2-MoE are compared with `from_pretrained(dir, gguf_file=...)` (which dequantizes every
 tensor; it reads no expert width from the file, so the test passes it); Mixtral, which llama.cpp
 writes as arch llama and transformers loads as a dense Llama, with the HF Mixtral holding gguf's
-dequantization of the same bytes.
+dequantization of the same bytes. gpt-oss (which transformers' GGUF load cannot read) likewise:
+the HF gpt-oss holding gguf's dequantization, itself checked equal to transformers' load of the
+HF MXFP4 checkpoint the file was converted from.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import gguf
 import httpx
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -23,12 +27,14 @@ from gguf import GGMLQuantizationType as T
 from moetier import LLM
 from moetier.errors import BudgetError, CheckpointError
 from moetier.weights.gguf import open_gguf
+from moetier.weights.mxfp4 import MXFP4
 from tests.models.gguf_files import (
     Q4_K_M,
     reference_model,
     tiny_hf_model,
     transformers_gguf,
     write_gguf,
+    write_gpt_oss_gguf,
 )
 from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
 
@@ -339,3 +345,175 @@ def test_non_expert_types_the_gguf_package_reads(tmp_path: Path) -> None:
     assert {t.tensor_type for t in reader.tensors if t.name == "blk.0.attn_q.weight"} == {T.Q4_0}
     llm = LLM(str(path), expert_budget="50%", device="cpu", dtype="float32", progress=False)
     assert moetier_greedy(llm, PROMPTS[:2], 8) == [hf_greedy(ref, p, 8) for p in PROMPTS[:2]]
+
+
+# gpt-oss: name -> (expert type, non-expert matrices' type). MXFP4 experts as the released
+# files keep them (repacked from the HF MXFP4 checkpoint); Q8_0 as converted from float experts.
+GPT_OSS_CASES: dict[str, tuple[T, T]] = {
+    "gpt_oss-mxfp4": (T.MXFP4, T.F32),
+    "gpt_oss-q8_0": (T.Q8_0, T.Q8_0),
+}
+GPT_OSS_D, GPT_OSS_I, GPT_OSS_TOP_K = 64, 32, 4
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Each gpt-oss case's GGUF file and its reference (the HF model holding gguf's
+    dequantization of the bytes written), written on first use."""
+    root = tmp_path_factory.mktemp("gguf_gpt_oss")
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, name: str) -> tuple[Path, Any]:
+            experts, dense = GPT_OSS_CASES[name]
+            path = root / f"{name}.gguf"
+            model = tiny_hf_model("gpt_oss")
+            self[name] = (
+                path,
+                reference_model(model, write_gpt_oss_gguf(model, path, experts, dense)),
+            )
+            return self[name]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize(
+    "name,budget", [("gpt_oss-mxfp4", "100%"), ("gpt_oss-mxfp4", "min"), ("gpt_oss-q8_0", "100%")]
+)
+def test_gpt_oss_parity(gpt_oss_files: Any, name: str, budget: str) -> None:
+    path, ref = gpt_oss_files[name]
+    if budget == "min":
+        experts = (GPT_OSS_CASES[name][0],) * 3
+        budget = f"{GPT_OSS_TOP_K * _slot_bytes(experts, GPT_OSS_D, GPT_OSS_I)}B"
+    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
+    cache = llm.engine.runner.expert_cache
+    assert cache.packing.name == ("mxfp4" if "mxfp4" in name else "gguf-q8_0")
+    if budget.endswith("B"):
+        assert llm.engine.runner.tier_plan.device_slots == GPT_OSS_TOP_K
+    got = moetier_greedy(llm, PROMPTS, NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
+    torch.testing.assert_close(
+        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
+    )
+    cache.check_integrity()
+
+
+def test_gpt_oss_reference_agrees_with_transformers(tmp_path: Path) -> None:
+    """The gpt-oss reference (gguf's dequantization of the file's MXFP4 blocks, gate and up
+    interleaved back) is transformers' own dequantization of the HF MXFP4 checkpoint the file
+    was converted from, every tensor (biases, sinks, router) equal."""
+    from tests.models.test_gpt_oss import reference, to_mxfp4
+
+    model = tiny_hf_model("gpt_oss", seed=3)
+    state = write_gpt_oss_gguf(model, tmp_path / "m.gguf", T.MXFP4, T.F32)
+    model.save_pretrained(tmp_path / "dense")
+    hf = reference(to_mxfp4(tmp_path / "dense", tmp_path / "mxfp4"))
+    got = hf.state_dict()
+    assert got.keys() == state.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(
+        state["model.layers.0.mlp.experts.down_proj"],
+        model.state_dict()["model.layers.0.mlp.experts.down_proj"],
+    )  # the experts are the quantized ones
+
+
+def test_gpt_oss_config_and_mxfp4_layout(gpt_oss_files: Any) -> None:
+    """The config comes from the metadata (and what llama.cpp fixes); MXFP4 experts are kept
+    as MXFP4 (17 bytes per 32 values, as stored) and each transcoded matrix decodes to exactly
+    gguf's dequantization of the expert's stored blocks."""
+    path, ref = gpt_oss_files["gpt_oss-mxfp4"]
+    config, _, layout = open_gguf(path)
+    want = ref.config
+    for key in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
+        "sliding_window", "layer_types", "max_position_embeddings",
+        "swiglu_limit", "swiglu_alpha", "vocab_size", "tie_word_embeddings",
+    ):  # fmt: skip
+        assert getattr(config, key) == getattr(want, key), key
+    assert config.rms_norm_eps == float(np.float32(want.rms_norm_eps))  # stored as float32
+    assert config.rope_parameters == want.rope_parameters
+    packing = layout.packing(torch.float32)
+    per_matrix = GPT_OSS_I * GPT_OSS_D // 32 * 17
+    assert packing.name == "mxfp4" and packing.nbytes == 3 * per_matrix
+    assert layout.source_bytes(1, 5) == 3 * per_matrix
+    row = torch.zeros(packing.numel, dtype=torch.uint8)
+    assert layout.read_into(1, 5, row) == 3 * per_matrix
+    fmt = packing.formats[1]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    dims = {
+        "gate": (GPT_OSS_I, GPT_OSS_D),
+        "up": (GPT_OSS_I, GPT_OSS_D),
+        "down": (GPT_OSS_D, GPT_OSS_I),
+    }
+    mats = []
+    for part, raw in zip(("gate", "up", "down"), fmt.parts(row)):
+        t = tensors[f"blk.1.ffn_{part}_exps.weight"]
+        assert t.tensor_type == T.MXFP4 and raw.numel() == t.data[5].size == per_matrix
+        want_values = torch.from_numpy(gguf.quants.dequantize(t.data[5], T.MXFP4).copy())
+        got = MXFP4.decode(raw, *dims[part], torch.float32)
+        assert torch.equal(got, want_values), part
+        mats.append(got)
+    gate_up, down = fmt.split(row)
+    assert torch.equal(gate_up, torch.cat(mats[:2])) and torch.equal(down, mats[2])
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["attention.sliding_window", "expert_feed_forward_length", "rope.scaling.factor"],
+)
+def test_gpt_oss_missing_metadata_key_named(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "gpt-oss-tiny.gguf"
+    write_gpt_oss_gguf(tiny_hf_model("gpt_oss"), path, T.Q8_0, skip=key)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"gpt-oss-tiny\.gguf: metadata key gpt-oss\.{re.escape(key)} is missing",
+    ):
+        open_gguf(path)
+
+
+# gpt-oss's tokenizer.json pre-tokenizer (o200k): the split llama.cpp names "gpt-4o"
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_gpt_oss_tokenizer_from_the_file(tmp_path: Path) -> None:
+    """A gpt-oss GGUF's tokenizer (byte-level BPE, pre-tokenizer "gpt-4o", chat template) is
+    built from the file (AutoTokenizer cannot: transformers' GGUF config mapping fails on
+    gpt-oss's rope.scaling keys first) and encodes as the HF tokenizer does, digits split in
+    threes: a merge across a split ("3 4") applies only where the split is wrong."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moetier.llm import load_tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = [("3", "4"), ("1", "2"), ("12", "3")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens(["<|start|>", "<|end|>", "<|return|>"])
+    template = "{% for m in messages %}<|start|>{{ m['role'] }}<|end|>{% endfor %}"
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|return|>")
+    path = tmp_path / "gpt-oss.gguf"
+    model = tiny_hf_model("gpt_oss", vocab_size=len(tok))
+    write_gpt_oss_gguf(model, path, T.Q8_0, tokenizer=tok, chat_template=template)
+    got = load_tokenizer(path)
+    assert got is not None and got.chat_template == template
+    text = "<|start|>user 12345 it's<|end|>"
+    assert got.encode(text) == tok.encode(text)
+    assert tok.encode("12345") == [vocab["123"], vocab["4"], vocab["5"]]
+    assert got.eos_token == "<|return|>"
