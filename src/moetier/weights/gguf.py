@@ -14,7 +14,9 @@ The file is memory mapped and read by offset, never whole.
 Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`), llama
 with experts (Mixtral) and gpt-oss (gpt-oss-20b/120b: attention sinks and biases, a biased
 router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built from the metadata keys
-llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores).
+llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores), qwen35moe
+(Qwen3.5/3.6-MoE's language model) and qwen3next (Qwen3-Next): Gated DeltaNet hybrids, their
+config and the inverse of llama.cpp's converter on their tensors in weights/gguf_hybrid.py.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from moetier.errors import CheckpointError
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
+from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
 from moetier.weights.gguf_quants import GGUF_CODECS, GGUF_TRANSCODED, codec_for, ggml_type_name
 
 __all__ = [
@@ -51,6 +54,7 @@ SUPPORTED_ARCHS = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "llama": "MixtralForCausalLM",  # llama.cpp writes Mixtral as llama with experts
     "gpt-oss": "GptOssForCausalLM",
+    **HYBRID_ARCHS,  # qwen35moe, qwen3next: weights/gguf_hybrid.py
 }
 
 _GLOBAL_NAMES = {
@@ -230,9 +234,13 @@ class GGUFCheckpoint:
                 names = tuple(f"blk.{layer}.{part}" for part in parts)
                 if all(n in file.tensors for n in names):
                     self.pairs[f"model.layers.{layer}.{hf}"] = names  # type: ignore[assignment]
+        # HF name -> GGUF tensors and the inverse of the converter's change (qwen35moe, qwen3next)
+        self.derived: dict[str, Derived] = (
+            hybrid_tensors(file, config) if file.arch in HYBRID_ARCHS else {}
+        )
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names or name in self.pairs
+        return name in self.derived or name in self.names or name in self.pairs
 
     def gguf_name(self, name: str) -> str:
         try:
@@ -242,6 +250,9 @@ class GGUFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` (an HF name) as float32, dequantized from its stored type."""
+        if name in self.derived:
+            derived = self.derived[name]
+            return derived.build(*(self._dequantize(self.file.tensors[n]) for n in derived.sources))
         if name in self.pairs:
             first, second = (self._dequantize(self.file.tensors[n]) for n in self.pairs[name])
             if first.shape != second.shape:
@@ -428,6 +439,11 @@ def _config(file: _GGUFFile) -> Any:
     """The HF config of the file's model: transformers' GGUF mapping (qwen2moe, qwen3moe),
     completed with what it leaves out (the expert widths); Mixtral and gpt-oss mapped here."""
     arch = file.arch
+    if arch == "clip":  # llama.cpp's multimodal projector, shipped beside the model's file
+        raise CheckpointError(
+            f"{file.path}: a vision projector (mmproj) file, not a model; pass the model's GGUF "
+            f"file (moetier runs the language model and reads no projector)"
+        )
     if arch not in SUPPORTED_ARCHS:
         raise CheckpointError(
             f"{file.path}: GGUF architecture {arch or '(none)'!r} is not supported; moetier reads "
@@ -446,6 +462,8 @@ def _config(file: _GGUFFile) -> Any:
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
     if arch == "gpt-oss":
         return AutoConfig.for_model("gpt_oss", **_gpt_oss_config(file, layers))
+    if arch in HYBRID_ARCHS:
+        return AutoConfig.for_model(**hybrid_config(file))
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
