@@ -53,10 +53,11 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
             path = Path(model_dir)
             if not path.is_file():
                 return None  # the engine's load names the missing file
-            if gguf_architecture(path) == "gpt-oss":
+            if gguf_architecture(path) in ("gpt-oss", "qwen3next"):
                 # AutoTokenizer first reads the file's config through transformers' GGUF
-                # mapping, which fails on gpt-oss's rope.scaling keys; the class it would pick
-                # (gpt_oss maps none: the tokenizers backend) builds from the file alone.
+                # mapping, which fails on gpt-oss's rope.scaling keys and knows no qwen3next;
+                # the tokenizers backend builds from the file alone (vocabulary, merges and
+                # llama.cpp's pre-tokenizer name: "qwen2" for Qwen3-Next).
                 from transformers import PreTrainedTokenizerFast
 
                 return PreTrainedTokenizerFast.from_pretrained(
