@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
+from moetier.weights import gguf_deepseek
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_quants import GGUF_CODECS, GGUF_TRANSCODED, codec_for, ggml_type_name
@@ -52,6 +53,7 @@ SUPPORTED_ARCHS = {
     "llama": "MixtralForCausalLM",  # llama.cpp writes Mixtral as llama with experts
     "gpt-oss": "GptOssForCausalLM",
 }
+SUPPORTED_ARCHS.update(gguf_deepseek.ARCHS)  # glm4moe, deepseek2 (weights/gguf_deepseek.py)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -230,9 +232,14 @@ class GGUFCheckpoint:
                 names = tuple(f"blk.{layer}.{part}" for part in parts)
                 if all(n in file.tensors for n in names):
                     self.pairs[f"model.layers.{layer}.{hf}"] = names  # type: ignore[assignment]
+        # HF name -> (GGUF tensors, how they make it): tensors the converter split
+        self.assembled: dict[str, tuple[tuple[str, ...], gguf_deepseek.Combine]] = {}
+        if file.arch in gguf_deepseek.ARCHS:  # names of their own (weights/gguf_deepseek.py)
+            self.names = gguf_deepseek.hf_names(file, int(config.num_hidden_layers))
+            self.assembled = gguf_deepseek.assembled(file, config)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names or name in self.pairs
+        return name in self.names or name in self.pairs or name in self.assembled
 
     def gguf_name(self, name: str) -> str:
         try:
@@ -242,6 +249,9 @@ class GGUFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` (an HF name) as float32, dequantized from its stored type."""
+        if name in self.assembled:
+            parts, combine = self.assembled[name]
+            return combine(*(self._dequantize(self.file.tensors[n]) for n in parts))
         if name in self.pairs:
             first, second = (self._dequantize(self.file.tensors[n]) for n in self.pairs[name])
             if first.shape != second.shape:
@@ -446,6 +456,9 @@ def _config(file: _GGUFFile) -> Any:
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
     if arch == "gpt-oss":
         return AutoConfig.for_model("gpt_oss", **_gpt_oss_config(file, layers))
+    if arch in gguf_deepseek.ARCHS:
+        model_type, kwargs = gguf_deepseek.config(file, layers)
+        return AutoConfig.for_model(model_type, **kwargs)
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
