@@ -565,13 +565,19 @@ def _finish(w: gguf.GGUFWriter) -> None:
 
 
 def write_glm4moe_gguf(
-    model: Any, path: Path, experts: T = T.Q8_0, skip: str | None = None, tokenizer: Any = None
+    model: Any,
+    path: Path,
+    experts: T = T.Q8_0,
+    skip: str | None = None,
+    tokenizer: Any = None,
+    pre: str = "glm4",
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a tiny HF GLM-4.5) as llama.cpp's converter (Glm4MoeModel) writes it:
     its metadata (key `skip` left out), experts merged per layer in `experts`, the rest F32
     under llama.cpp's names, no q/k permutation, and the NextN/MTP block appended as block
     `num_hidden_layers` (`nextn_predict_layers` 1; random tensors, as the tiny HF model has
-    none: a reader that ran it would not match). Return the reference state dict."""
+    none: a reader that ran it would not match); a `tokenizer` with llama.cpp's pre-tokenizer
+    name `pre` (GLM-4.5's: "glm4"). Return the reference state dict."""
     cfg = model.config
     layers = cfg.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + 1)
@@ -608,7 +614,7 @@ def write_glm4moe_gguf(
         skip,
     )
     if tokenizer is not None:
-        _tokenizer(w, tokenizer, None, "glm4")
+        _tokenizer(w, tokenizer, None, pre)
     ref: dict[str, torch.Tensor] = {}
     last: dict[str, np.ndarray] = {}  # the last layer's tensors, the MTP block's shapes
     for hf_name, tensor in model.state_dict().items():

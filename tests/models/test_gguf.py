@@ -651,3 +651,31 @@ def test_glm_deepseek_missing_metadata_key_named(tmp_path: Path, family: str, ke
         CheckpointError, match=rf"tiny\.gguf: metadata key {arch}\.{re.escape(key)} is missing"
     ):
         open_gguf(path)
+
+
+def test_glm_deepseek_tokenizer(tmp_path: Path) -> None:
+    """GLM-4.5's pre-tokenizer ("glm4") has no split in transformers' GGUF tokenizer, which
+    would fall back to GPT-2's: no tokenizer is built (a CheckpointError says to pass token
+    ids); the model still runs on token ids. A pre-tokenizer transformers knows builds."""
+    from transformers import AutoTokenizer
+
+    from moetier.llm import load_tokenizer
+    from tests.server.tiny import VOCAB, save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    model = tiny_hf_model("glm4_moe", vocab_size=VOCAB)
+    path = tmp_path / "GLM-tiny.gguf"
+    ref = reference_model(model, write_glm4moe_gguf(model, path, tokenizer=tok))
+    message = r"GLM-tiny\.gguf: transformers cannot build .* 'glm4'.*Pass prompts as token ids"
+    with pytest.raises(CheckpointError, match=message):
+        load_tokenizer(path)
+    llm = LLM(str(path), expert_budget="100%", device="cpu", dtype="float32", progress=False)
+    assert llm.tokenizer is None
+    assert moetier_greedy(llm, PROMPTS[:1], 4)[0] == hf_greedy(ref, PROMPTS[0], 4)
+    with pytest.raises(CheckpointError, match=message):
+        llm.generate("hello", _params(4))
+    known = tmp_path / "gpt2-pre.gguf"
+    write_glm4moe_gguf(model, known, tokenizer=tok, pre="qwen2")
+    built = load_tokenizer(known)
+    assert built is not None and built.encode("Hi there 123") == tok.encode("Hi there 123")

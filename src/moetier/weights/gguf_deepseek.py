@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -354,3 +355,36 @@ def _deepseek2_rope(file: _GGUFFile) -> dict[str, Any]:
         "mscale": mscale,
         "mscale_all_dim": mscale,
     }
+
+
+# Pre-tokenizers transformers' GGUF tokenizer splits text like llama.cpp does without an entry
+# in its table: GPT-2's own split (the byte-level BPE default)
+_GPT2_PRE = ("gpt-2", "default")
+
+
+def check_tokenizer(path: Path) -> None:
+    """Raise a CheckpointError where transformers would build this file's byte-level BPE
+    tokenizer with a pre-tokenizer other than the model's: it splits text by llama.cpp's
+    `tokenizer.ggml.pre` name from a table of its own and falls back to GPT-2's split for a
+    name it lacks (GLM-4.5's "glm4", DeepSeek-V3's "deepseek-v3", DeepSeek-V2's "deepseek-llm",
+    Kimi-K2's "kimi-k2"), which encodes text into other tokens than the model was trained on."""
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+        )
+    except ImportError:  # another transformers layout: only GPT-2's split is known to match
+        GGUF_PRE_TOKENIZER_SPLITS = {}
+    metadata, _ = read_gguf_metadata(str(path))
+    model = metadata.get("tokenizer.ggml.model")
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    if model != "gpt2" or pre in GGUF_PRE_TOKENIZER_SPLITS or pre in _GPT2_PRE:
+        return
+    raise CheckpointError(
+        f"{path}: transformers cannot build this file's tokenizer: it has no pre-tokenizer for "
+        f"tokenizer.ggml.pre {pre!r} and would split text unlike the model's own tokenizer. "
+        f"Pass prompts as token ids, encoded with the model's Hugging Face tokenizer "
+        f"(AutoTokenizer.from_pretrained of the original model, e.g. zai-org/GLM-4.5-Air or "
+        f"deepseek-ai/DeepSeek-V3)"
+    )
