@@ -14,7 +14,10 @@ The file is memory mapped and read by offset, never whole.
 Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`), llama
 with experts (Mixtral) and gpt-oss (gpt-oss-20b/120b: attention sinks and biases, a biased
 router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built from the metadata keys
-llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores).
+llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores). glm4moe
+(GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
+weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
+llama.cpp's converter split (MLA's kv_b_proj) put back together.
 """
 
 from __future__ import annotations
