@@ -28,7 +28,7 @@ from moetier.config import (
 )
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
-from moetier.errors import ConfigError, DeviceMemoryError
+from moetier.errors import CheckpointError, ConfigError, DeviceMemoryError
 from moetier.parallel.group import torchrun_rank
 from moetier.parallel.launch import Workers, rank_config, start_group
 from moetier.threads import check_threads
@@ -43,9 +43,11 @@ Prompt = str | list[int]
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
     """The checkpoint's tokenizer through transformers (a GGUF file's from its metadata), or
-    None when it has none."""
+    None when it has none; a CheckpointError for a GGUF file whose tokenizer transformers
+    would build wrong (weights/gguf_deepseek.py's check_tokenizer)."""
     from transformers import AutoTokenizer
 
+    from moetier.weights import gguf_deepseek
     from moetier.weights.gguf import gguf_architecture, is_gguf
 
     try:
@@ -53,11 +55,15 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
             path = Path(model_dir)
             if not path.is_file():
                 return None  # the engine's load names the missing file
-            if gguf_architecture(path) in ("gpt-oss", "qwen3next"):
+            arch = gguf_architecture(path)
+            if arch in gguf_deepseek.ARCHS:  # glm4moe, deepseek2: as gpt-oss, once checked
+                gguf_deepseek.check_tokenizer(path)
+            if arch in ("gpt-oss", "qwen3next") or arch in gguf_deepseek.ARCHS:
                 # AutoTokenizer first reads the file's config through transformers' GGUF
-                # mapping, which fails on gpt-oss's rope.scaling keys and knows no qwen3next;
-                # the tokenizers backend builds from the file alone (vocabulary, merges and
-                # llama.cpp's pre-tokenizer name: "qwen2" for Qwen3-Next).
+                # mapping, which fails on gpt-oss's rope.scaling keys and knows no qwen3next,
+                # glm4moe or deepseek2; the tokenizers backend builds from the file alone
+                # (vocabulary, merges and llama.cpp's pre-tokenizer name: "qwen2" for
+                # Qwen3-Next).
                 from transformers import PreTrainedTokenizerFast
 
                 return PreTrainedTokenizerFast.from_pretrained(
@@ -69,6 +75,16 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("no usable tokenizer in %s (%s); prompts must be token ids", model_dir, reason)
         return None
+
+
+def load_tokenizer_or_reason(model_dir: str | Path) -> tuple[Any | None, CheckpointError | None]:
+    """`load_tokenizer`, with its CheckpointError (a tokenizer the file's metadata would build
+    wrong) logged and returned instead: the model still runs on token ids."""
+    try:
+        return load_tokenizer(model_dir), None
+    except CheckpointError as exc:
+        log.warning("%s", exc)
+        return None, exc
 
 
 def _check_budgets_and_policy(
@@ -240,7 +256,7 @@ class LLM:
 
             with torch.inference_mode():
                 raise SystemExit(run_worker(self.config))
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer, self._tokenizer_error = load_tokenizer_or_reason(model)
         self._workers = start_group(self.config)
         if self._workers is not None:
             self.config = rank_config(self.config, 0)
@@ -275,6 +291,8 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None and self._tokenizer_error is not None:
+                raise CheckpointError(str(self._tokenizer_error))
             if self.tokenizer is None:
                 raise ConfigError(
                     "this checkpoint has no tokenizer: pass prompts as token id lists"
@@ -341,6 +359,8 @@ class LLM:
         --tool-call-parser)."""
         from moetier.tools.support import ToolError
 
+        if self.tokenizer is None and self._tokenizer_error is not None:
+            raise CheckpointError(str(self._tokenizer_error))
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
         support = self._tool_support(tool_parser)

@@ -224,7 +224,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from moetier.llm import load_tokenizer
+    from moetier.llm import load_tokenizer_or_reason
     from moetier.metrics import ServerMetrics
     from moetier.parallel.group import torchrun_rank
     from moetier.server.app import ServerSettings, create_app
@@ -257,7 +257,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.max_body_bytes,
             args.tool_call_parser,
         )
-        app = create_app(client, load_tokenizer(info["model"]), settings, metrics)
+        tokenizer, _ = load_tokenizer_or_reason(info["model"])  # none: token-id prompts only
+        app = create_app(client, tokenizer, settings, metrics)
         log.warning(
             "serving %s on http://%s:%d (auth %s)",
             name,

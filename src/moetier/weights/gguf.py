@@ -17,6 +17,9 @@ router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built from the 
 llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores), qwen35moe
 (Qwen3.5/3.6-MoE's language model) and qwen3next (Qwen3-Next): Gated DeltaNet hybrids, their
 config and the inverse of llama.cpp's converter on their tensors in weights/gguf_hybrid.py.
+glm4moe (GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
+weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
+llama.cpp's converter split (MLA's kv_b_proj) put back together.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
+from moetier.weights import gguf_deepseek
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
@@ -55,6 +59,7 @@ SUPPORTED_ARCHS = {
     "llama": "MixtralForCausalLM",  # llama.cpp writes Mixtral as llama with experts
     "gpt-oss": "GptOssForCausalLM",
     **HYBRID_ARCHS,  # qwen35moe, qwen3next: weights/gguf_hybrid.py
+    **gguf_deepseek.ARCHS,  # glm4moe, deepseek2: weights/gguf_deepseek.py
 }
 
 _GLOBAL_NAMES = {
@@ -234,10 +239,17 @@ class GGUFCheckpoint:
                 names = tuple(f"blk.{layer}.{part}" for part in parts)
                 if all(n in file.tensors for n in names):
                     self.pairs[f"model.layers.{layer}.{hf}"] = names  # type: ignore[assignment]
-        # HF name -> GGUF tensors and the inverse of the converter's change (qwen35moe, qwen3next)
-        self.derived: dict[str, Derived] = (
-            hybrid_tensors(file, config) if file.arch in HYBRID_ARCHS else {}
-        )
+        # HF name -> GGUF tensors and the inverse of the converter's change to them: the
+        # hybrids' (weights/gguf_hybrid.py), deepseek2's split kv_b_proj (gguf_deepseek.py)
+        self.derived: dict[str, Derived] = {}
+        if file.arch in HYBRID_ARCHS:
+            self.derived = hybrid_tensors(file, config)
+        elif file.arch in gguf_deepseek.ARCHS:  # names of their own
+            self.names = gguf_deepseek.hf_names(file, int(config.num_hidden_layers))
+            self.derived = {
+                name: Derived(parts, combine)
+                for name, (parts, combine) in gguf_deepseek.assembled(file, config).items()
+            }
 
     def __contains__(self, name: str) -> bool:
         return name in self.derived or name in self.names or name in self.pairs
@@ -464,6 +476,9 @@ def _config(file: _GGUFFile) -> Any:
         return AutoConfig.for_model("gpt_oss", **_gpt_oss_config(file, layers))
     if arch in HYBRID_ARCHS:
         return AutoConfig.for_model(**hybrid_config(file))
+    if arch in gguf_deepseek.ARCHS:
+        model_type, kwargs = gguf_deepseek.config(file, layers)
+        return AutoConfig.for_model(model_type, **kwargs)
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
