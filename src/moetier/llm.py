@@ -41,11 +41,22 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-def load_tokenizer(model_dir: str | Path) -> Any | None:
+def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -> Any | None:
     """The checkpoint's tokenizer through transformers (a GGUF file's from its metadata), or
     None when it has none; a CheckpointError for a GGUF file whose tokenizer transformers
-    would build wrong (weights/gguf_deepseek.py's check_tokenizer)."""
+    would build wrong (weights/gguf_deepseek.py's check_tokenizer). `tokenizer`: a Hugging
+    Face tokenizer (directory or hub name) used instead; a ConfigError where it cannot load."""
     from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        try:
+            return AutoTokenizer.from_pretrained(str(tokenizer))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"tokenizer {tokenizer}: transformers cannot load it ({reason}); pass a Hugging "
+                f"Face tokenizer directory (tokenizer.json or its vocabulary files) or hub name"
+            ) from None
 
     from moetier.weights import gguf_deepseek
     from moetier.weights.gguf import gguf_architecture, is_gguf
@@ -77,11 +88,13 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         return None
 
 
-def load_tokenizer_or_reason(model_dir: str | Path) -> tuple[Any | None, CheckpointError | None]:
+def load_tokenizer_or_reason(
+    model_dir: str | Path, tokenizer: str | Path | None = None
+) -> tuple[Any | None, CheckpointError | None]:
     """`load_tokenizer`, with its CheckpointError (a tokenizer the file's metadata would build
     wrong) logged and returned instead: the model still runs on token ids."""
     try:
-        return load_tokenizer(model_dir), None
+        return load_tokenizer(model_dir, tokenizer), None
     except CheckpointError as exc:
         log.warning("%s", exc)
         return None, exc
@@ -178,6 +191,7 @@ class LLM:
         expert_placement: str = "round-robin",
         placement_trace: str | Path | None = None,
         parallel_timeout_s: float = 300.0,
+        tokenizer: str | Path | None = None,
     ) -> None:
         """`gpu_memory`: one device budget ("24GiB", "90%") split between non-expert weights, a
         reserve, expert slots and KV blocks (engine/memory_split.py); `routing_trace`: a
@@ -256,7 +270,7 @@ class LLM:
 
             with torch.inference_mode():
                 raise SystemExit(run_worker(self.config))
-        self.tokenizer, self._tokenizer_error = load_tokenizer_or_reason(model)
+        self.tokenizer, self._tokenizer_error = load_tokenizer_or_reason(model, tokenizer)
         self._workers = start_group(self.config)
         if self._workers is not None:
             self.config = rank_config(self.config, 0)

@@ -25,7 +25,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from moetier import LLM
-from moetier.errors import BudgetError, CheckpointError
+from moetier.errors import BudgetError, CheckpointError, ConfigError
 from moetier.weights.gguf import open_gguf
 from moetier.weights.mxfp4 import MXFP4
 from tests.models.gguf_files import (
@@ -828,8 +828,9 @@ def test_glm_deepseek_missing_metadata_key_named(tmp_path: Path, family: str, ke
 
 def test_glm_deepseek_tokenizer(tmp_path: Path) -> None:
     """GLM-4.5's pre-tokenizer ("glm4") has no split in transformers' GGUF tokenizer, which
-    would fall back to GPT-2's: no tokenizer is built (a CheckpointError says to pass token
-    ids); the model still runs on token ids. A pre-tokenizer transformers knows builds."""
+    would fall back to GPT-2's: no tokenizer is built (a CheckpointError says to pass the
+    model's tokenizer as --tokenizer, or token ids); the model still runs on token ids, and
+    with `tokenizer=` on text. A pre-tokenizer transformers knows builds."""
     from transformers import AutoTokenizer
 
     from moetier.llm import load_tokenizer
@@ -840,7 +841,7 @@ def test_glm_deepseek_tokenizer(tmp_path: Path) -> None:
     model = tiny_hf_model("glm4_moe", vocab_size=VOCAB)
     path = tmp_path / "GLM-tiny.gguf"
     ref = reference_model(model, write_glm4moe_gguf(model, path, tokenizer=tok))
-    message = r"GLM-tiny\.gguf: transformers cannot build .* 'glm4'.*Pass prompts as token ids"
+    message = r"GLM-tiny\.gguf: transformers cannot build .* 'glm4'.*as --tokenizer"
     with pytest.raises(CheckpointError, match=message):
         load_tokenizer(path)
     llm = LLM(str(path), expert_budget="100%", device="cpu", dtype="float32", progress=False)
@@ -848,6 +849,21 @@ def test_glm_deepseek_tokenizer(tmp_path: Path) -> None:
     assert moetier_greedy(llm, PROMPTS[:1], 4)[0] == hf_greedy(ref, PROMPTS[0], 4)
     with pytest.raises(CheckpointError, match=message):
         llm.generate("hello", _params(4))
+    # the model's Hugging Face tokenizer passed instead: text prompts encode through it
+    given = LLM(
+        str(path),
+        tokenizer=tmp_path / "tok",
+        expert_budget="100%",
+        device="cpu",
+        dtype="float32",
+        progress=False,
+    )
+    text = "Hi there 123"
+    out = given.generate(text, _params(4))[0]
+    assert out.prompt_token_ids == tok.encode(text)
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref, tok.encode(text), 4)
+    with pytest.raises(ConfigError, match=r"tokenizer .*missing-tok: transformers cannot load"):
+        load_tokenizer(path, tmp_path / "missing-tok")
     known = tmp_path / "gpt2-pre.gguf"
     write_glm4moe_gguf(model, known, tokenizer=tok, pre="qwen2")
     built = load_tokenizer(known)

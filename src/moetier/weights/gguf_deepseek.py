@@ -384,7 +384,7 @@ def check_tokenizer(path: Path) -> None:
     raise CheckpointError(
         f"{path}: transformers cannot build this file's tokenizer: it has no pre-tokenizer for "
         f"tokenizer.ggml.pre {pre!r} and would split text unlike the model's own tokenizer. "
-        f"Pass prompts as token ids, encoded with the model's Hugging Face tokenizer "
-        f"(AutoTokenizer.from_pretrained of the original model, e.g. zai-org/GLM-4.5-Air or "
-        f"deepseek-ai/DeepSeek-V3)"
+        f"Pass the model's Hugging Face tokenizer (a directory or hub name, e.g. "
+        f"zai-org/GLM-4.5-Air or deepseek-ai/DeepSeek-V3) as --tokenizer (LLM(..., "
+        f"tokenizer=...)), or prompts as token ids encoded with it"
     )
