@@ -700,9 +700,9 @@ def test_hybrid_missing_metadata_key_named(tmp_path: Path, family: str, key: str
 # writes it now (kv_b_proj split into attn_k_b / attn_v_b, sigmoid router, yarn); DeepSeek-V2
 # (V2-Lite's shape) as older converters wrote it (attn_kv_b whole, no gating or group keys).
 DS_CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "glm4moe": ("glm4_moe", {}),
-    "deepseek2-v3": ("deepseek_v3", {}),
-    "deepseek2-v2-kv_b": ("deepseek_v2", {"legacy": True}),
+    "glm4_moe": ("glm4_moe", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v2-kv_b": ("deepseek_v2", {"legacy": True}),
 }
 DS_D, DS_I = 64, 32
 DS_TOP_K = {"glm4_moe": 3, "deepseek_v3": 4, "deepseek_v2": 3}
@@ -728,11 +728,11 @@ def ds_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 @pytest.mark.parametrize(
     "name,budget",
     [
-        ("glm4moe", "100%"),
-        ("glm4moe", "min"),
-        ("deepseek2-v3", "100%"),
-        ("deepseek2-v3", "min"),
-        ("deepseek2-v2-kv_b", "100%"),
+        ("glm4_moe", "100%"),
+        ("glm4_moe", "min"),
+        ("deepseek_v3", "100%"),
+        ("deepseek_v3", "min"),
+        ("deepseek_v2-kv_b", "100%"),
     ],
 )
 def test_glm_deepseek_parity(ds_files: Any, name: str, budget: str) -> None:
@@ -788,9 +788,9 @@ def test_glm_deepseek_config_and_tensors(ds_files: Any, name: str) -> None:
     assert layout.layers == list(range(1, want.num_hidden_layers))
     tensors = {t.name for t in gguf.GGUFReader(path).tensors}
     split = {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"}
-    if name == "deepseek2-v3":
+    if name == "deepseek_v3":
         assert split <= tensors and "blk.1.attn_kv_b.weight" not in tensors
-    elif name == "deepseek2-v2-kv_b":
+    elif name == "deepseek_v2-kv_b":
         assert "blk.1.attn_kv_b.weight" in tensors and not split & tensors
     else:  # the NextN block is in the file, not in the model
         n = want.num_hidden_layers
