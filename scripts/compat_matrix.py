@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Column:
-    """One matrix column: the test cases (module, function, optional id suffix) it counts."""
+    """One matrix column: the test cases (module, function(s), optional id suffix) it counts."""
 
     label: str
     module: str  # dotted test module, as junit's classname
-    function: str
+    function: str | tuple[str, ...]  # a test function, or several that each cover some families
     suffix: str | None = None  # the parametrization id after the family ("None", "50%", ...)
     kernel: bool = False  # a MoE kernel path: a gelu family passes on the loop fallback
     graphs: bool = False  # a CUDA-graph path: a family without graphs passes eagerly
@@ -57,8 +57,18 @@ CPU_COLUMNS = (
         "slot kernel path", "tests.models.test_slot_kernel", "test_slot_kernel_parity", kernel=True
     ),
     Column("prefetch", "tests.models.test_prefetch_parity", "test_parity_with_same_index_prefetch"),
-    # GGUF files (Q4_K_M and Q8_0 experts) at 100%, 50% and the minimum budget
-    Column("GGUF file", "tests.models.test_gguf", "test_gguf_parity"),
+    # GGUF files at 100% and the minimum budget (Q4_K_M, Q8_0, ... experts; gpt-oss's MXFP4;
+    # the hybrids', GLM's and DeepSeek's as llama.cpp's converter writes them)
+    Column(
+        "GGUF file",
+        "tests.models.test_gguf",
+        (
+            "test_gguf_parity",
+            "test_gpt_oss_parity",
+            "test_hybrid_parity",
+            "test_glm_deepseek_parity",
+        ),
+    ),
     # `moetier serve` at a 50% budget: concurrent completions, chunked prefill, preemption
     Column(
         "server (concurrent, preempted)",
@@ -131,12 +141,13 @@ def read_junit(path: Path) -> tuple[list[Case], str]:
 
 def cell(cases: list[Case], column: Column, family: str, facts: tuple[str, bool, bool]) -> str:
     _, loop_only, no_graphs = facts
+    functions = (column.function,) if isinstance(column.function, str) else column.function
     mine = [
         c
         for c in cases
         if c.family == family
         and c.module == column.module
-        and c.function == column.function
+        and c.function in functions
         and (column.suffix is None or c.suffix == column.suffix)
     ]
     if not mine:

@@ -23,7 +23,12 @@ from moetier.config import (
 from moetier.demo.cli import add_demo_parsers
 from moetier.errors import ConfigError, MoetierError
 from moetier.parallel.args import add_parallel_args, parallel_kwargs
-from moetier.server.cli import PREFETCH_HELP, PREFIX_CACHING_HELP, add_serve_parser
+from moetier.server.cli import (
+    PREFETCH_HELP,
+    PREFIX_CACHING_HELP,
+    TOKENIZER_HELP,
+    add_serve_parser,
+)
 from moetier.threads import THREADS_HELP, threads_arg
 
 
@@ -33,6 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face model directory or .gguf file (default: the built-in demo model)",
     )
+    p.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     p.add_argument(
         "--expert-budget",
         default=None,
@@ -121,6 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(
         args.model or args.model_path,
+        tokenizer=args.tokenizer,
         expert_budget=args.expert_budget,
         host_budget=args.host_budget,
         device=args.device,

@@ -28,7 +28,7 @@ from moetier.config import (
 )
 from moetier.core import RequestOutput, SamplingParams
 from moetier.engine.engine import Engine
-from moetier.errors import ConfigError, DeviceMemoryError
+from moetier.errors import CheckpointError, ConfigError, DeviceMemoryError
 from moetier.parallel.group import torchrun_rank
 from moetier.parallel.launch import Workers, rank_config, start_group
 from moetier.threads import check_threads
@@ -41,24 +41,63 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-def load_tokenizer(model_dir: str | Path) -> Any | None:
+def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -> Any | None:
     """The checkpoint's tokenizer through transformers (a GGUF file's from its metadata), or
-    None when it has none."""
+    None when it has none; a CheckpointError for a GGUF file whose tokenizer transformers
+    would build wrong (weights/gguf_deepseek.py's check_tokenizer). `tokenizer`: a Hugging
+    Face tokenizer (directory or hub name) used instead; a ConfigError where it cannot load."""
     from transformers import AutoTokenizer
 
-    from moetier.weights.gguf import is_gguf
+    if tokenizer is not None:
+        try:
+            return AutoTokenizer.from_pretrained(str(tokenizer))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"tokenizer {tokenizer}: transformers cannot load it ({reason}); pass a Hugging "
+                f"Face tokenizer directory (tokenizer.json or its vocabulary files) or hub name"
+            ) from None
+
+    from moetier.weights import gguf_deepseek
+    from moetier.weights.gguf import gguf_architecture, is_gguf
 
     try:
         if is_gguf(model_dir):  # the tokenizer and chat template are in the file's metadata
             path = Path(model_dir)
             if not path.is_file():
                 return None  # the engine's load names the missing file
+            arch = gguf_architecture(path)
+            if arch in gguf_deepseek.ARCHS:  # glm4moe, deepseek2: as gpt-oss, once checked
+                gguf_deepseek.check_tokenizer(path)
+            if arch in ("gpt-oss", "qwen3next") or arch in gguf_deepseek.ARCHS:
+                # AutoTokenizer first reads the file's config through transformers' GGUF
+                # mapping, which fails on gpt-oss's rope.scaling keys and knows no qwen3next,
+                # glm4moe or deepseek2; the tokenizers backend builds from the file alone
+                # (vocabulary, merges and llama.cpp's pre-tokenizer name: "qwen2" for
+                # Qwen3-Next).
+                from transformers import PreTrainedTokenizerFast
+
+                return PreTrainedTokenizerFast.from_pretrained(
+                    str(path.parent), gguf_file=path.name
+                )
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("no usable tokenizer in %s (%s); prompts must be token ids", model_dir, reason)
         return None
+
+
+def load_tokenizer_or_reason(
+    model_dir: str | Path, tokenizer: str | Path | None = None
+) -> tuple[Any | None, CheckpointError | None]:
+    """`load_tokenizer`, with its CheckpointError (a tokenizer the file's metadata would build
+    wrong) logged and returned instead: the model still runs on token ids."""
+    try:
+        return load_tokenizer(model_dir, tokenizer), None
+    except CheckpointError as exc:
+        log.warning("%s", exc)
+        return None, exc
 
 
 def _check_budgets_and_policy(
@@ -152,6 +191,7 @@ class LLM:
         expert_placement: str = "round-robin",
         placement_trace: str | Path | None = None,
         parallel_timeout_s: float = 300.0,
+        tokenizer: str | Path | None = None,
     ) -> None:
         """`gpu_memory`: one device budget ("24GiB", "90%") split between non-expert weights, a
         reserve, expert slots and KV blocks (engine/memory_split.py); `routing_trace`: a
@@ -230,7 +270,7 @@ class LLM:
 
             with torch.inference_mode():
                 raise SystemExit(run_worker(self.config))
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer, self._tokenizer_error = load_tokenizer_or_reason(model, tokenizer)
         self._workers = start_group(self.config)
         if self._workers is not None:
             self.config = rank_config(self.config, 0)
@@ -265,6 +305,8 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None and self._tokenizer_error is not None:
+                raise CheckpointError(str(self._tokenizer_error))
             if self.tokenizer is None:
                 raise ConfigError(
                     "this checkpoint has no tokenizer: pass prompts as token id lists"
@@ -331,6 +373,8 @@ class LLM:
         --tool-call-parser)."""
         from moetier.tools.support import ToolError
 
+        if self.tokenizer is None and self._tokenizer_error is not None:
+            raise CheckpointError(str(self._tokenizer_error))
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this checkpoint has no chat template; use generate() with a prompt")
         support = self._tool_support(tool_parser)

@@ -84,6 +84,17 @@ def test_prefix_caching_flag_reaches_the_engine() -> None:
     assert off.enable_prefix_caching is False
 
 
+def test_tokenizer_flag_reaches_the_engine() -> None:
+    from moetier.cli import build_parser
+    from moetier.server.cli import _engine_args
+
+    p = build_parser()
+    assert p.parse_args(["generate"]).tokenizer is None
+    assert p.parse_args(["generate", "--tokenizer", "tok"]).tokenizer == "tok"
+    assert _engine_args(p.parse_args(["serve"])).tokenizer is None
+    assert _engine_args(p.parse_args(["serve", "m.gguf", "--tokenizer", "tok"])).tokenizer == "tok"
+
+
 def test_kv_cache_dtype_flag_reaches_the_engine(
     ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

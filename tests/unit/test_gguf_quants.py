@@ -9,7 +9,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from moetier.weights.formats import ExpertFormat, ExpertShape, get_codec
-from moetier.weights.gguf_quants import GGUF_CODECS, GGUFCodec, codec_for, random_blocks
+from moetier.weights.gguf_quants import (
+    GGUF_CODECS,
+    GGUFCodec,
+    codec_for,
+    mxfp4_from_ggml,
+    random_blocks,
+)
+from moetier.weights.mxfp4 import MXFP4
 
 TYPES = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 
@@ -103,6 +110,25 @@ def test_unsupported_type_names_tensor_and_type(qtype: T) -> None:
     with pytest.raises(
         ValueError,
         match=rf"m\.gguf: tensor blk\.3\.ffn_up_exps\.weight is "
-        rf"stored as {qtype.name}.*supported: .*Q4_K.*Q6_K",
+        rf"stored as {qtype.name}.*supported: .*Q4_K.*Q6_K.*MXFP4",
     ):
         codec_for(int(qtype), "blk.3.ffn_up_exps.weight", "m.gguf")
+
+
+def test_mxfp4_transcode_decodes_to_gguf_dequantize() -> None:
+    """ggml's block_mxfp4 (any nibbles, every finite scale byte 0..254: subnormal to huge)
+    rearranged into Mxfp4Codec's layout keeps the byte count and decodes to exactly what
+    gguf.quants.dequantize gives for the stored blocks; the codec the experts keep is MXFP4."""
+    rows, cols = 17, 480  # 255 blocks
+    rng = np.random.default_rng(39)
+    raw = rng.integers(0, 256, (rows * cols // 32, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(255, dtype=np.uint8)
+    with np.errstate(over="ignore"):  # scale 254 x 12: inf, in both
+        want = _reference(raw.reshape(rows, -1), T.MXFP4, rows, cols)
+    flat = torch.from_numpy(raw.reshape(-1).copy())
+    encoded = mxfp4_from_ggml(flat, rows, cols)
+    assert encoded.numel() == raw.size == MXFP4.nbytes(rows, cols)
+    assert torch.equal(MXFP4.decode(encoded, rows, cols, torch.float32), want)
+    assert codec_for(int(T.MXFP4), "blk.0.ffn_down_exps.weight") is MXFP4
+    with pytest.raises(ValueError, match="no \\[17, 448\\] matrix"):
+        mxfp4_from_ggml(flat, rows, 448)

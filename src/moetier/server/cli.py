@@ -32,6 +32,10 @@ from moetier.tools.parsers import tool_parsers
 log = logging.getLogger(__name__)
 
 _PUBLIC_FLAG = "--allow-public-without-key"
+TOKENIZER_HELP = (
+    "Hugging Face tokenizer (directory or hub name) used instead of the model's own: for GGUF "
+    "files whose tokenizer cannot be built from the file (GLM-4.5, DeepSeek)"
+)
 PREFETCH_HELP = (
     "next-layer expert prefetch: a predictor of offload/predict.py (same-index, last-call, "
     "activation, gate-lookahead, hash); hash-routed layers (DeepSeek-V4) are prefetched "
@@ -81,6 +85,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(_PUBLIC_FLAG, action="store_true",
                    help="allow a non-loopback bind with no API key")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     p.add_argument("--max-num-seqs", type=_positive, default=None,
                    help=f"running batch size (default {DEFAULT_MAX_NUM_SEQS}; unset, "
                    "--gpu-memory with --routing-trace may size the KV for fewer)")  # fmt: skip
@@ -197,6 +202,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
 
     return EngineArgs(
         model=args.model,
+        tokenizer=args.tokenizer,
         expert_budget=args.expert_budget,
         host_budget=args.host_budget,
         device=args.device,
@@ -224,7 +230,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from moetier.llm import load_tokenizer
+    from moetier.llm import load_tokenizer_or_reason
     from moetier.metrics import ServerMetrics
     from moetier.parallel.group import torchrun_rank
     from moetier.server.app import ServerSettings, create_app
@@ -257,7 +263,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.max_body_bytes,
             args.tool_call_parser,
         )
-        app = create_app(client, load_tokenizer(info["model"]), settings, metrics)
+        # none: token-id prompts only
+        tokenizer, _ = load_tokenizer_or_reason(info["model"], args.tokenizer)
+        app = create_app(client, tokenizer, settings, metrics)
         log.warning(
             "serving %s on http://%s:%d (auth %s)",
             name,

@@ -57,6 +57,7 @@ class EngineArgs:
     expert_parallel_size: int = 1
     expert_placement: str = "round-robin"
     placement_trace: str | None = None
+    tokenizer: str | None = None  # a Hugging Face tokenizer instead of the model's own
 
 
 @dataclass
@@ -106,6 +107,7 @@ def build_llm(args: EngineArgs) -> Any:
 
     return LLM(
         args.model,
+        tokenizer=args.tokenizer,
         expert_budget=args.expert_budget,
         host_budget=args.host_budget,
         device=args.device,

@@ -7,11 +7,19 @@ the HF config (transformers' GGUF mapping where it has one, completed here), a c
 `read(name)` gives non-expert tensors under the HF names, dequantized to float32 at load, and a
 `GGUFExpertLayout` whose experts (`blk.N.ffn_{gate,up,down}_exps`, [E, rows, cols] with each
 expert's blocks contiguous) are read by offset and kept in their stored block type
-(weights/gguf_quants.py), decoded only where they are computed. The file is memory mapped and
-read by offset, never whole.
+(weights/gguf_quants.py), decoded only where they are computed; MXFP4 experts are rearranged
+per expert as they are read into the layout of gpt-oss's safetensors MXFP4 experts (same bytes).
+The file is memory mapped and read by offset, never whole.
 
-Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`) and
-llama with experts (Mixtral).
+Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`), llama
+with experts (Mixtral) and gpt-oss (gpt-oss-20b/120b: attention sinks and biases, a biased
+router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built from the metadata keys
+llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores), qwen35moe
+(Qwen3.5/3.6-MoE's language model) and qwen3next (Qwen3-Next): Gated DeltaNet hybrids, their
+config and the inverse of llama.cpp's converter on their tensors in weights/gguf_hybrid.py.
+glm4moe (GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
+weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
+llama.cpp's converter split (MLA's kv_b_proj) put back together.
 """
 
 from __future__ import annotations
@@ -28,15 +36,18 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
+from moetier.weights import gguf_deepseek
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
-from moetier.weights.gguf_quants import GGUF_CODECS, codec_for, ggml_type_name
+from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
+from moetier.weights.gguf_quants import GGUF_CODECS, GGUF_TRANSCODED, codec_for, ggml_type_name
 
 __all__ = [
     "GGUFCheckpoint",
     "GGUFExpertLayout",
     "GGUFModel",
     "SUPPORTED_ARCHS",
+    "gguf_architecture",
     "is_gguf",
     "open_gguf",
 ]
@@ -46,6 +57,9 @@ SUPPORTED_ARCHS = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "llama": "MixtralForCausalLM",  # llama.cpp writes Mixtral as llama with experts
+    "gpt-oss": "GptOssForCausalLM",
+    **HYBRID_ARCHS,  # qwen35moe, qwen3next: weights/gguf_hybrid.py
+    **gguf_deepseek.ARCHS,  # glm4moe, deepseek2: weights/gguf_deepseek.py
 }
 
 _GLOBAL_NAMES = {
@@ -63,6 +77,7 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -72,6 +87,14 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# blk.N.<gguf leaf>.<suffix> -> model.layers.N.<HF name> (gpt-oss: HF names without a suffix)
+_BLOCK_TENSORS = {
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+# model.layers.N.<HF name> <- two GGUF tensors interleaved along the last dim: gpt-oss's expert
+# gate_up bias [E, 2I] (gate = even columns, up = odd), which llama.cpp's converter splits
+_INTERLEAVED = {"mlp.experts.gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias")}
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
@@ -79,6 +102,18 @@ _EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 def is_gguf(path: str | Path) -> bool:
     """Whether a model path names a GGUF file (by its suffix)."""
     return str(path).lower().endswith(".gguf")
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """`general.architecture` of a GGUF file, read from its header alone (token tables are
+    left unread); "" where the header cannot be read (opening the file says why)."""
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        metadata, _ = read_gguf_metadata(str(path))
+    except Exception:  # struct, numpy and value errors of a truncated or foreign file
+        return ""
+    return str(metadata.get("general.architecture", ""))
 
 
 @dataclass(frozen=True)
@@ -114,8 +149,8 @@ class _GGUFFile:
             ) from None
         self.fields: dict[str, Any] = {}
         for key, field in reader.fields.items():
-            if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
-                continue  # token tables: the tokenizer reads them itself
+            if key.startswith("tokenizer.ggml.") and len(field.types) > 1:
+                continue  # token tables (arrays): the tokenizer reads them itself
             try:
                 self.fields[key] = field.contents()
             except (ValueError, IndexError, TypeError):
@@ -198,9 +233,26 @@ class GGUFCheckpoint:
             hf = _hf_name(name)
             if hf is not None:
                 self.names[hf] = name
+        self.pairs: dict[str, tuple[str, str]] = {}  # HF name -> GGUF names interleaved
+        for layer in range(int(config.num_hidden_layers)):
+            for hf, parts in _INTERLEAVED.items():
+                names = tuple(f"blk.{layer}.{part}" for part in parts)
+                if all(n in file.tensors for n in names):
+                    self.pairs[f"model.layers.{layer}.{hf}"] = names  # type: ignore[assignment]
+        # HF name -> GGUF tensors and the inverse of the converter's change to them: the
+        # hybrids' (weights/gguf_hybrid.py), deepseek2's split kv_b_proj (gguf_deepseek.py)
+        self.derived: dict[str, Derived] = {}
+        if file.arch in HYBRID_ARCHS:
+            self.derived = hybrid_tensors(file, config)
+        elif file.arch in gguf_deepseek.ARCHS:  # names of their own
+            self.names = gguf_deepseek.hf_names(file, int(config.num_hidden_layers))
+            self.derived = {
+                name: Derived(parts, combine)
+                for name, (parts, combine) in gguf_deepseek.assembled(file, config).items()
+            }
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names
+        return name in self.derived or name in self.names or name in self.pairs
 
     def gguf_name(self, name: str) -> str:
         try:
@@ -210,6 +262,17 @@ class GGUFCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor `name` (an HF name) as float32, dequantized from its stored type."""
+        if name in self.derived:
+            derived = self.derived[name]
+            return derived.build(*(self._dequantize(self.file.tensors[n]) for n in derived.sources))
+        if name in self.pairs:
+            first, second = (self._dequantize(self.file.tensors[n]) for n in self.pairs[name])
+            if first.shape != second.shape:
+                raise CheckpointError(
+                    f"{self.model_dir}: {' and '.join(self.pairs[name])} differ in shape "
+                    f"({list(first.shape)}, {list(second.shape)})"
+                )
+            return torch.stack([first, second], dim=-1).flatten(-2)
         t = self.file.tensors[self.gguf_name(name)]
         value = self._dequantize(t)
         if t.name.endswith("ffn_gate_inp_shexp.weight") and value.dim() == 1:
@@ -250,6 +313,8 @@ def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
+    if m is not None and f"{m.group(2)}.{m.group(3)}" in _BLOCK_TENSORS:
+        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[f'{m.group(2)}.{m.group(3)}']}"
     if m is None or m.group(2) not in _BLOCK_NAMES:
         return None
     return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
@@ -258,12 +323,14 @@ def _hf_name(name: str) -> str | None:
 @dataclass(frozen=True)
 class _ExpertSource:
     """Where one MoE layer's experts lie: per matrix (gate, up, down) each expert's byte
-    offset, the bytes of one expert's matrix and its codec; `dims` (I, D)."""
+    offset, the bytes of one expert's matrix, its codec and the GGUF type it is stored in
+    (a transcoded type is rearranged as read, gguf_quants.GGUF_TRANSCODED); `dims` (I, D)."""
 
     offsets: tuple[list[int], list[int], list[int]]
     sizes: tuple[int, int, int]
     codecs: tuple[MatrixCodec, MatrixCodec, MatrixCodec]
     dims: tuple[int, int]
+    types: tuple[int, int, int]
 
 
 class GGUFExpertLayout(ExpertLayout):
@@ -324,7 +391,8 @@ class GGUFExpertLayout(ExpertLayout):
                     raise ValueError(f"tensor {t.name} has {n} bytes per expert, not its shape's")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        return _ExpertSource(offsets, sizes, codecs, (gi, gd))  # type: ignore[arg-type]
+        types = tuple(t.ggml_type for t in heads)
+        return _ExpertSource(offsets, sizes, codecs, (gi, gd), types)  # type: ignore[arg-type]
 
     def _tensor(self, name: str, layer: int) -> _Tensor:
         t = self.file.tensors.get(name)
@@ -362,8 +430,15 @@ class GGUFExpertLayout(ExpertLayout):
         """Read expert (layer, expert)'s stored blocks into the packed CPU uint8 row `out`."""
         src = self.layer_sources[layer]
         fmt = ExpertFormat(self.shape, torch.float32, src.codecs)
-        for offsets, part in zip(src.offsets, fmt.parts(out)):
+        d, i = self.shape.hidden, self.shape.intermediate
+        dims = ((i, d), (i, d), (d, i))
+        for offsets, part, ggml_type, (rows, cols) in zip(
+            src.offsets, fmt.parts(out), src.types, dims
+        ):
             self._io.read_into(offsets[expert], part)
+            transcoded = GGUF_TRANSCODED.get(ggml_type)
+            if transcoded is not None:  # MXFP4: rearranged into the codec's layout, in place
+                part.copy_(transcoded.convert(part, rows, cols))
         return sum(src.sizes)
 
 
@@ -374,8 +449,13 @@ def _has_experts(file: _GGUFFile, layer: int) -> bool:
 
 def _config(file: _GGUFFile) -> Any:
     """The HF config of the file's model: transformers' GGUF mapping (qwen2moe, qwen3moe),
-    completed with what it leaves out (the expert widths); Mixtral mapped here."""
+    completed with what it leaves out (the expert widths); Mixtral and gpt-oss mapped here."""
     arch = file.arch
+    if arch == "clip":  # llama.cpp's multimodal projector, shipped beside the model's file
+        raise CheckpointError(
+            f"{file.path}: a vision projector (mmproj) file, not a model; pass the model's GGUF "
+            f"file (moetier runs the language model and reads no projector)"
+        )
     if arch not in SUPPORTED_ARCHS:
         raise CheckpointError(
             f"{file.path}: GGUF architecture {arch or '(none)'!r} is not supported; moetier reads "
@@ -392,6 +472,13 @@ def _config(file: _GGUFFile) -> Any:
     moe_layers = [n for n in range(layers) if _has_experts(file, n)]
     if arch == "llama":
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
+    if arch == "gpt-oss":
+        return AutoConfig.for_model("gpt_oss", **_gpt_oss_config(file, layers))
+    if arch in HYBRID_ARCHS:
+        return AutoConfig.for_model(**hybrid_config(file))
+    if arch in gguf_deepseek.ARCHS:
+        model_type, kwargs = gguf_deepseek.config(file, layers)
+        return AutoConfig.for_model(model_type, **kwargs)
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
@@ -451,6 +538,92 @@ def _mixtral_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
         if value is not None:
             out[key] = int(value)
     return out
+
+
+# What llama.cpp fixes for gpt-oss rather than reads from the file (LLM_ARCH_OPENAI_MOE): the
+# clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7), sliding-window attention on
+# every other layer from layer 0 (set_swa_pattern(2)), and yarn's beta_fast 32 / beta_slow 1
+# where the file states none. yarn's correction range is not rounded (`truncate: false`), as
+# the released gpt-oss configs say (llama.cpp's rope rounds it; transformers follows the config).
+_GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _gpt_oss_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
+    """gpt-oss's HF config from the metadata keys llama.cpp reads (a CheckpointError naming
+    the key where llama.cpp or yarn needs one, llama.cpp's defaults elsewhere), completed with
+    what llama.cpp fixes."""
+    hidden = int(file.require("embedding_length"))
+    heads = int(file.require("attention.head_count"))
+    head_dim = int(file.get("attention.key_length", hidden // heads))
+    value_length = int(file.get("attention.value_length", head_dim))
+    if value_length != head_dim:
+        raise CheckpointError(
+            f"{file.path}: {file.arch}.attention.key_length {head_dim} and value_length "
+            f"{value_length} differ; gpt-oss has one head size"
+        )
+    vocab = file.get("vocab_size")
+    if vocab is None:
+        vocab = file.tensors["token_embd.weight"].shape[0]
+    out: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHS["gpt-oss"]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(file.require("expert_feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(file.get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(file.require("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(file.require("context_length")),
+        "num_local_experts": int(file.require("expert_count")),
+        "num_experts_per_tok": int(file.require("expert_used_count")),
+        "sliding_window": int(file.require("attention.sliding_window")),
+        "layer_types": [
+            "sliding_attention" if n % 2 == 0 else "full_attention" for n in range(layers)
+        ],
+        "rope_parameters": _gpt_oss_rope(file),
+        "attention_bias": True,
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        **_GPT_OSS_SWIGLU,
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = file.fields.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}")
+        if value is not None:
+            out[key] = int(value)
+    return out
+
+
+def _gpt_oss_rope(file: _GGUFFile) -> dict[str, Any]:
+    """Rope parameters from `rope.freq_base` (llama.cpp's default 10000) and `rope.scaling.*`:
+    yarn (gpt-oss's: factor, original_context_length, betas) or none."""
+    theta = float(file.get("rope.freq_base", 10000.0))
+    kind = str(file.get("rope.scaling.type", "none"))
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind != "yarn":
+        raise CheckpointError(
+            f"{file.path}: {file.arch}.rope.scaling.type is {kind!r}; gpt-oss uses yarn (or none)"
+        )
+    for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if float(file.get(key, 1.0)) != 1.0:
+            raise CheckpointError(
+                f"{file.path}: {file.arch}.{key} is {file.get(key)}; moetier runs gpt-oss's "
+                f"yarn with 1.0 there (the converter writes none for the released models)"
+            )
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": float(file.require("rope.scaling.factor")),
+        "original_max_position_embeddings": int(
+            file.require("rope.scaling.original_context_length")
+        ),
+        **{
+            beta: float(file.get(f"rope.scaling.yarn_{beta}", default))
+            for beta, default in _YARN_BETAS.items()
+        },
+        "truncate": False,
+    }
 
 
 class GGUFModel:

@@ -1,4 +1,5 @@
-"""GGUF block types as matrix codecs: Q8_0, Q6_K, Q5_K, Q4_K (and F32/F16/BF16), decoded in torch.
+"""GGUF block types as matrix codecs: Q8_0, Q6_K, Q5_K, Q4_K (and F32/F16/BF16), decoded in torch;
+MXFP4 experts transcoded into weights/mxfp4.py's codec.
 
 A GGUF matrix [rows, cols] is stored row-major as rows of blocks along cols (the reduction dim):
 each block holds `block_size` values in `type_size` bytes (fp16 scales, packed quants). The
@@ -6,6 +7,11 @@ encoded bytes of a codec are exactly those blocks as the file stores them, so an
 by offset and moved between tiers as stored; `decode` turns them into [rows, cols] on whatever
 device holds them (CPU or CUDA: plain tensor ops, vectorized over blocks). Decoding follows
 `gguf.quants.dequantize` operation for operation, so float32 results are equal to it.
+
+MXFP4 (ggml's `block_mxfp4`, gpt-oss files) is the one type kept in another layout: the same
+values as the gpt-oss safetensors experts, so each expert's blocks are rearranged once as they
+are read (`GGUF_TRANSCODED`, same byte count) into `Mxfp4Codec`'s layout, which every tier and
+kernel already computes on.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from moetier.weights.formats import MatrixCodec, register_codec
+from moetier.weights.mxfp4 import MXFP4
 
 QK_K = 256  # values per K-quant super-block
 
 # GGML type ids (gguf.GGMLQuantizationType) of the types decoded here.
 F32, F16, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 8, 12, 13, 14, 30
+GGML_MXFP4 = 39
 
 _Decoder = Callable[[torch.Tensor], torch.Tensor]  # [n, type_size] uint8 -> [n, block] float32
 
@@ -141,6 +149,38 @@ GGUF_CODECS: dict[int, MatrixCodec] = {
 }
 
 
+def mxfp4_from_ggml(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """ggml `block_mxfp4` bytes of a [rows, cols] matrix -> `Mxfp4Codec`'s encoding of the
+    same values (a new uint8 tensor of the same byte count, on raw's device).
+
+    ggml: per 32 values one block of 17 bytes, the E8M0 scale byte `e`, then `qs[16]` where
+    byte j holds element j in its low nibble and element j + 16 in its high nibble (the
+    E2M1 nibbles and the scale mean what they mean in weights/mxfp4.py: ggml's doubled value
+    table times 2^(e - 128) is the E2M1 value times 2^(e - 127)). Mxfp4Codec: every block's
+    16 bytes with element 2k in byte k's low nibble and 2k + 1 in its high one, then every
+    block's scale byte."""
+    g = cols // 32
+    if cols % 32 or raw.numel() != rows * g * 17:
+        raise ValueError(f"MXFP4: {raw.numel()} bytes are no [{rows}, {cols}] matrix of blocks")
+    blocks = raw.reshape(rows, g, 17)
+    qs = blocks[..., 1:]
+    nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, g, 16, 2)  # by element
+    packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    return MXFP4.encode(packed, blocks[..., 0])
+
+
+@dataclass(frozen=True)
+class Transcoded:
+    """A GGUF type whose experts are kept in another codec's layout: `convert(raw, rows,
+    cols)` turns a matrix's stored bytes into `codec`'s encoding (the same number of bytes)."""
+
+    codec: MatrixCodec
+    convert: Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+GGUF_TRANSCODED: dict[int, Transcoded] = {GGML_MXFP4: Transcoded(MXFP4, mxfp4_from_ggml)}
+
+
 def ggml_type_name(ggml_type: int) -> str:
     try:
         from gguf import GGMLQuantizationType
@@ -151,15 +191,18 @@ def ggml_type_name(ggml_type: int) -> str:
 
 
 def codec_for(ggml_type: int, tensor: str, file: object = "") -> MatrixCodec:
-    """The codec of a GGUF tensor's type; a clear error for a type moetier does not decode."""
+    """The codec of a GGUF tensor's type (a transcoded type's: `GGUF_TRANSCODED`); a clear
+    error for a type moetier does not decode."""
     codec = GGUF_CODECS.get(int(ggml_type))
+    if codec is None and int(ggml_type) in GGUF_TRANSCODED:
+        codec = GGUF_TRANSCODED[int(ggml_type)].codec
     if codec is None:
-        known = ", ".join(ggml_type_name(t) for t in GGUF_CODECS)
+        known = ", ".join(ggml_type_name(t) for t in [*GGUF_CODECS, *GGUF_TRANSCODED])
         where = f"{file}: " if file else ""
         raise ValueError(
             f"{where}tensor {tensor} is stored as {ggml_type_name(ggml_type)}, which moetier "
             f"does not read for experts (supported: {known}); use a file quantized with "
-            f"Q4_K_M, Q5_K_M, Q6_K or Q8_0"
+            f"Q4_K_M, Q5_K_M, Q6_K or Q8_0 (gpt-oss: MXFP4)"
         )
     return codec
 
