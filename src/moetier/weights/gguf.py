@@ -178,6 +178,23 @@ class _GGUFFile:
             raise CheckpointError(f"{self.path}: metadata key {full} is missing")
         return self.fields[full]
 
+    def vocab_size(self) -> int:
+        """`vocab_size`, else the embedding's rows (llama.cpp writes the key only sometimes)."""
+        vocab = self.get("vocab_size")
+        return int(vocab if vocab is not None else self.tensors["token_embd.weight"].shape[0])
+
+    def head_dim(self, hidden: int, heads: int) -> int:
+        """The attention head size (`attention.key_length`, else hidden / heads); a
+        CheckpointError where `value_length` states another (these architectures have one)."""
+        head_dim = int(self.get("attention.key_length", hidden // heads))
+        value_length = int(self.get("attention.value_length", head_dim))
+        if value_length != head_dim:
+            raise CheckpointError(
+                f"{self.path}: {self.arch}.attention.key_length {head_dim} and value_length "
+                f"{value_length} differ; {self.arch} attention has one head size"
+            )
+        return head_dim
+
 
 class _Reader:
     """Positional reads from one file (a file descriptor shared by threads)."""
@@ -504,12 +521,9 @@ def _config(file: _GGUFFile) -> Any:
 def _mixtral_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
     hidden = int(file.require("embedding_length"))
     heads = int(file.require("attention.head_count"))
-    vocab = file.get("vocab_size")
-    if vocab is None:
-        vocab = file.tensors["token_embd.weight"].shape[0]
     out: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHS["llama"]],
-        "vocab_size": int(vocab),
+        "vocab_size": file.vocab_size(),
         "hidden_size": hidden,
         "intermediate_size": int(file.require("feed_forward_length")),
         "num_hidden_layers": layers,
@@ -555,19 +569,10 @@ def _gpt_oss_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
     what llama.cpp fixes."""
     hidden = int(file.require("embedding_length"))
     heads = int(file.require("attention.head_count"))
-    head_dim = int(file.get("attention.key_length", hidden // heads))
-    value_length = int(file.get("attention.value_length", head_dim))
-    if value_length != head_dim:
-        raise CheckpointError(
-            f"{file.path}: {file.arch}.attention.key_length {head_dim} and value_length "
-            f"{value_length} differ; gpt-oss has one head size"
-        )
-    vocab = file.get("vocab_size")
-    if vocab is None:
-        vocab = file.tensors["token_embd.weight"].shape[0]
+    head_dim = file.head_dim(hidden, heads)
     out: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHS["gpt-oss"]],
-        "vocab_size": int(vocab),
+        "vocab_size": file.vocab_size(),
         "hidden_size": hidden,
         "intermediate_size": int(file.require("expert_feed_forward_length")),
         "num_hidden_layers": layers,

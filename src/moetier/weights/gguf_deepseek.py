@@ -164,9 +164,6 @@ def config(file: _GGUFFile, block_count: int) -> tuple[str, dict[str, Any]]:
 def _common(file: _GGUFFile, layers: int) -> dict[str, Any]:
     """What both architectures state the same way: sizes, the MoE block, the router."""
     hidden = int(file.require("embedding_length"))
-    vocab = file.get("vocab_size")
-    if vocab is None:
-        vocab = file.tensors["token_embd.weight"].shape[0]
     dense = int(file.get("leading_dense_block_count", 0))
     moe = [n for n in range(layers) if f"blk.{n}.ffn_gate_exps.weight" in file.tensors]
     if moe != list(range(dense, layers)):
@@ -175,7 +172,7 @@ def _common(file: _GGUFFile, layers: int) -> dict[str, Any]:
             f"with routed experts are {moe}; expected every layer from {dense} on"
         )
     out: dict[str, Any] = {
-        "vocab_size": int(vocab),
+        "vocab_size": file.vocab_size(),
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": int(file.require("attention.head_count")),
@@ -237,12 +234,7 @@ def _glm4moe_config(file: _GGUFFile, block_count: int) -> dict[str, Any]:
     layers = _nextn(file, block_count)
     out = _common(file, layers)
     heads = out["num_attention_heads"]
-    head_dim = int(file.get("attention.key_length", out["hidden_size"] // heads))
-    if int(file.get("attention.value_length", head_dim)) != head_dim:
-        raise CheckpointError(
-            f"{file.path}: glm4moe.attention.key_length {head_dim} and value_length "
-            f"{file.get('attention.value_length')} differ; GLM-4.5 has one head size"
-        )
+    head_dim = file.head_dim(out["hidden_size"], heads)
     rotary = int(file.get("rope.dimension_count", head_dim))  # llama.cpp: n_rot = head size
     _check_gating(file, ("sigmoid",), "sigmoid")  # llama.cpp: sigmoid where the key is absent
     scaling = str(file.get("rope.scaling.type", "none"))

@@ -107,13 +107,7 @@ def hybrid_config(file: Any) -> dict[str, Any]:
         )
     hidden = int(file.require("embedding_length"))
     heads = int(file.require("attention.head_count"))
-    head_dim = int(file.get("attention.key_length", hidden // heads))
-    value_length = int(file.get("attention.value_length", head_dim))
-    if value_length != head_dim:
-        raise CheckpointError(
-            f"{file.path}: {arch}.attention.key_length {head_dim} and value_length "
-            f"{value_length} differ; {arch} attention has one head size"
-        )
+    head_dim = file.head_dim(hidden, heads)
     value_heads = int(file.require("ssm.time_step_rank"))
     inner = int(file.require("ssm.inner_size"))
     if value_heads < 1 or inner % value_heads:
@@ -143,9 +137,6 @@ def hybrid_config(file: Any) -> dict[str, Any]:
         # sections are kept as the config states them (llama.cpp pads them to four)
         sections = [int(s) for s in file.require("rope.dimension_sections")]
         rope.update(mrope_section=sections[:3], mrope_interleaved=True)
-    vocab = file.get("vocab_size")
-    if vocab is None:
-        vocab = file.tensors["token_embd.weight"].shape[0]
     moe = [n for n in range(layers) if f"blk.{n}.ffn_gate_exps.weight" in file.tensors]
     gate = file.tensors.get(f"blk.{moe[0]}.ffn_gate_exps.weight") if moe else None
     shared = file.tensors.get(f"blk.{moe[0]}.ffn_gate_shexp.weight") if moe else None
@@ -161,7 +152,7 @@ def hybrid_config(file: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model_type": _MODEL_TYPES[arch],
         "architectures": [HYBRID_ARCHS[arch]],
-        "vocab_size": int(vocab),
+        "vocab_size": file.vocab_size(),
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
