@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Column:
-    """One matrix column: the test cases (module, function(s), optional id suffix) it counts."""
+    """One matrix column: the test cases (module(s), function(s), optional id suffix) it counts."""
 
     label: str
-    module: str  # dotted test module, as junit's classname
+    module: str | tuple[str, ...]  # dotted test module(s), as junit's classname
     function: str | tuple[str, ...]  # a test function, or several that each cover some families
     suffix: str | None = None  # the parametrization id after the family ("None", "50%", ...)
     kernel: bool = False  # a MoE kernel path: a gelu family passes on the loop fallback
@@ -61,7 +61,11 @@ CPU_COLUMNS = (
     # the hybrids', GLM's and DeepSeek's as llama.cpp's converter writes them)
     Column(
         "GGUF file",
-        "tests.models.test_gguf",
+        (
+            "tests.models.test_gguf",
+            "tests.models.test_gguf_hybrid",
+            "tests.models.test_gguf_deepseek",
+        ),
         (
             "test_gguf_parity",
             "test_gpt_oss_parity",
@@ -141,12 +145,13 @@ def read_junit(path: Path) -> tuple[list[Case], str]:
 
 def cell(cases: list[Case], column: Column, family: str, facts: tuple[str, bool, bool]) -> str:
     _, loop_only, no_graphs = facts
+    modules = (column.module,) if isinstance(column.module, str) else column.module
     functions = (column.function,) if isinstance(column.function, str) else column.function
     mine = [
         c
         for c in cases
         if c.family == family
-        and c.module == column.module
+        and c.module in modules
         and c.function in functions
         and (column.suffix is None or c.suffix == column.suffix)
     ]

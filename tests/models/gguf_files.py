@@ -114,7 +114,7 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
     w.add_expert_used_count(cfg.num_experts_per_tok)
 
 
-def _encode_experts(
+def encode_experts(
     values: np.ndarray, qtype: T, g: torch.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """[E, rows, cols] float32 -> (stored bytes [E, rows, row bytes], their dequantization)."""
@@ -153,7 +153,7 @@ def write_gguf(
     w.add_name(f"tiny-{cfg.model_type}")
     _metadata(w, arch, cfg)
     if tokenizer is not None:
-        _tokenizer(w, tokenizer, chat_template)
+        write_tokenizer(w, tokenizer, chat_template)
     g = torch.Generator().manual_seed(seed)
     ref: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
@@ -168,7 +168,7 @@ def write_gguf(
             deq = []
             for part, v, k in parts:
                 types = expert_types[int(layer)] if isinstance(expert_types, dict) else expert_types
-                raw, d = _encode_experts(np.ascontiguousarray(v), types[k], g)
+                raw, d = encode_experts(np.ascontiguousarray(v), types[k], g)
                 if per_expert:  # llama.cpp's first Mixtral files: blk.N.ffn_gate.E.weight
                     for e in range(raw.shape[0]):
                         w.add_tensor(
@@ -220,7 +220,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _tokenizer(w: gguf.GGUFWriter, tok: Any, chat_template: str | None, pre: str = "qwen2") -> None:
+def write_tokenizer(
+    w: gguf.GGUFWriter, tok: Any, chat_template: str | None, pre: str = "qwen2"
+) -> None:
     """A byte-level BPE tokenizer (e.g. tests/server/tiny.py's) as GGUF metadata, with
     llama.cpp's pre-tokenizer name `pre`."""
     vocab = tok.get_vocab()
@@ -390,7 +392,7 @@ def write_gpt_oss_gguf(
     w.add_name("tiny-gpt-oss")
     _gpt_oss_metadata(w, cfg, skip)
     if tokenizer is not None:
-        _tokenizer(w, tokenizer, chat_template, "gpt-4o")  # llama.cpp's name for o200k
+        write_tokenizer(w, tokenizer, chat_template, "gpt-4o")  # llama.cpp's name for o200k
     mx = hf_mxfp4_experts(model) if experts == T.MXFP4 else {}
     ref: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
@@ -460,544 +462,24 @@ def write_gpt_oss_gguf(
     return ref
 
 
-# Qwen3.5-MoE / Qwen3-Next: the tiny cross-family recipes (layer types as `full_attention_interval`
-# states them, which is what llama.cpp reads), widened where Q8_0 experts need rows of whole
-# 32-value blocks (D 64, I 32); grouped value heads (4 over 2 key heads), dk 8 != dv 12.
-# Qwen3.5: head_dim 32 so that a quarter rotary (8 dims) has three non-empty mrope sections, as
-# the released models do (transformers' GGUF config drops empty ones, then its rotary fails).
-HYBRID_ARCH = {"qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
-HYBRID_TINY: dict[str, dict[str, Any]] = {
-    "qwen3_5_moe": {
-        **FAMILIES["qwen3_5_moe"].tiny,
-        **FAMILIES["qwen3_5_moe"].main,
-        "full_attention_interval": 3,  # linear, linear, full, linear: main's layer_types
-        "hidden_size": 64,
-        "head_dim": 32,
-        "rope_parameters": {
-            **FAMILIES["qwen3_5_moe"].main["rope_parameters"],
-            "mrope_section": [2, 1, 1],
-        },
-        "moe_intermediate_size": 32,
-    },
-    "qwen3_next": {
-        **FAMILIES["qwen3_next"].tiny,
-        **FAMILIES["qwen3_next"].fused,  # every layer MoE: llama.cpp's qwen3next has no dense
-        "norm_topk_prob": True,  # llama.cpp renormalizes the top-k weights, whatever the config
-        "hidden_size": 64,
-        "moe_intermediate_size": 32,
-    },
-}
-HYBRID_KEYS = (  # what the converter writes (by key suffix; feed_forward_length where stated)
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "rope.dimension_sections",
-    "rope.freq_base",
-    "attention.layer_norm_rms_epsilon",
-    "expert_count",
-    "expert_used_count",
-    "attention.key_length",
-    "attention.value_length",
-    "expert_feed_forward_length",
-    "expert_shared_feed_forward_length",
-    "ssm.conv_kernel",
-    "ssm.state_size",
-    "ssm.group_count",
-    "ssm.time_step_rank",
-    "ssm.inner_size",
-    "full_attention_interval",
-    "rope.dimension_count",
-    "nextn_predict_layers",
-)
+NEW = 16  # new tokens of the parity tests
+# a file's expert types: (gate, up, down), or per MoE layer
+Types = tuple[T, T, T] | dict[int, tuple[T, T, T]]
 
 
-def tiny_hybrid_model(family: str, seed: int = 0, **overrides: Any) -> Any:
-    config = AutoConfig.for_model(
-        FAMILIES[family].model_type, **{**HYBRID_TINY[family], **overrides}
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model)
-    return model.eval()
+def slot_bytes(experts: Types, d: int, i: int) -> int:
+    """One packed expert: gate [I, D], up [I, D], down [D, I] as GGUF blocks, 16-byte aligned
+    (per-layer types: the largest layer's)."""
+    if isinstance(experts, dict):
+        return max(slot_bytes(types, d, i) for types in experts.values())
+    total = 0
+    for qtype, (rows, cols) in zip(experts, ((i, d), (i, d), (d, i))):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        total += -(-(rows * cols // block * size) // 16) * 16
+    return total
 
 
-def _hybrid_metadata(w: gguf.GGUFWriter, hp: dict[str, Any], skip: str | None, mtp: int) -> None:
-    """TextModel.set_gguf_parameters, Qwen2MoeModel's, Qwen3NextModel's and, for Qwen3.5, the
-    mrope and MTP mixins', over the config as saved (`hp`, config.json's dict)."""
-    rope = hp.get("rope_parameters") or {}
-    head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
-    values: dict[str, tuple[Any, Any]] = {
-        "block_count": (w.add_block_count, hp["num_hidden_layers"] + mtp),
-        "context_length": (w.add_context_length, hp["max_position_embeddings"]),
-        "embedding_length": (w.add_embedding_length, hp["hidden_size"]),
-        "feed_forward_length": (w.add_feed_forward_length, hp.get("intermediate_size")),
-        "attention.head_count": (w.add_head_count, hp["num_attention_heads"]),
-        "attention.head_count_kv": (w.add_head_count_kv, hp["num_key_value_heads"]),
-        "rope.freq_base": (w.add_rope_freq_base, rope.get("rope_theta")),
-        "attention.layer_norm_rms_epsilon": (w.add_layer_norm_rms_eps, hp["rms_norm_eps"]),
-        "expert_count": (w.add_expert_count, hp["num_experts"]),
-        "expert_used_count": (w.add_expert_used_count, hp["num_experts_per_tok"]),
-        "attention.key_length": (w.add_key_length, hp.get("head_dim")),
-        "attention.value_length": (w.add_value_length, hp.get("head_dim")),
-        "expert_feed_forward_length": (
-            w.add_expert_feed_forward_length,
-            hp["moe_intermediate_size"],
-        ),
-        "expert_shared_feed_forward_length": (
-            w.add_expert_shared_feed_forward_length,
-            hp["shared_expert_intermediate_size"],
-        ),
-        "ssm.conv_kernel": (w.add_ssm_conv_kernel, hp["linear_conv_kernel_dim"]),
-        "ssm.state_size": (w.add_ssm_state_size, hp["linear_key_head_dim"]),
-        "ssm.group_count": (w.add_ssm_group_count, hp["linear_num_key_heads"]),
-        "ssm.time_step_rank": (w.add_ssm_time_step_rank, hp["linear_num_value_heads"]),
-        "ssm.inner_size": (
-            w.add_ssm_inner_size,
-            hp["linear_value_head_dim"] * hp["linear_num_value_heads"],
-        ),
-        "full_attention_interval": (
-            w.add_full_attention_interval,
-            hp.get("full_attention_interval", 4),
-        ),
-        # the converter reads the factor from the top level only (0.25 where it is not there)
-        "rope.dimension_count": (
-            w.add_rope_dimension_count,
-            int(head_dim * hp.get("partial_rotary_factor", 0.25)),
-        ),
-    }
-    if hp["model_type"] == "qwen3_5_moe_text":
-        # padded to four; _Qwen35MRopeMixin writes [11, 11, 10, 0] where the config has none
-        sections = list(rope.get("mrope_section", [11, 11, 10]))
-        values["rope.dimension_sections"] = (
-            w.add_rope_dimension_sections,
-            (sections + [0, 0, 0, 0])[:4],
-        )
-        if mtp:
-            values["nextn_predict_layers"] = (w.add_nextn_predict_layers, mtp)
-    for key in HYBRID_KEYS:
-        if key in values and key != skip and values[key][1] is not None:
-            add, value = values[key]
-            add(value)
+def greedy_params(n: int) -> Any:
+    from moetier import SamplingParams
 
-
-def _tiled(t: torch.Tensor, dim: int, hk: int, r: int, width: int) -> torch.Tensor:
-    """`_LinearAttentionVReorderBase._reorder_v_heads`: grouped [Hk, r, w] -> tiled [r, Hk, w]."""
-    shape = list(t.shape)
-    return (
-        t.reshape(*shape[:dim], hk, r, width, *shape[dim + 1 :])
-        .transpose(dim, dim + 1)
-        .reshape(shape)
-    )
-
-
-def _converted(name: str, t: torch.Tensor, hp: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """One HF tensor as llama.cpp's converter turns it into GGUF tensors (HF-side names, before
-    the name map): Qwen3.5's value-head reorder, then Qwen3NextModel.modify_tensors."""
-    hk, hv = hp["linear_num_key_heads"], hp["linear_num_value_heads"]
-    dk, dv = hp["linear_key_head_dim"], hp["linear_value_head_dim"]
-    qk = 2 * hk * dk
-    if hp["model_type"] == "qwen3_5_moe_text" and hk != hv and "linear_attn." in name:
-        r = hv // hk
-        if ".in_proj_qkv." in name:
-            t = torch.cat([t[:qk], _tiled(t[qk:], 0, hk, r, dv)])
-        elif ".in_proj_z." in name:
-            t = _tiled(t, 0, hk, r, dv)
-        elif ".in_proj_b." in name or ".in_proj_a." in name:
-            t = _tiled(t, 0, hk, r, 1)
-        elif ".A_log" in name or ".dt_bias" in name:
-            t = _tiled(t.unsqueeze(-1), 0, hk, r, 1).squeeze(-1)
-        elif ".conv1d" in name:
-            t = t.squeeze()
-            t = torch.cat([t[:qk], _tiled(t[qk:], 0, hk, r, dv)])
-        elif ".out_proj." in name:
-            t = _tiled(t, 1, hk, r, dv)
-    if name.endswith(".A_log"):
-        t = -torch.exp(t)
-    elif name.endswith(".dt_bias"):
-        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
-    elif "conv1d" in name:
-        t = t.squeeze()
-    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        t = t + 1
-    if "in_proj_qkvz.weight" in name:  # [q, k, v, z] per key head -> all q, k, v; all z
-        r = hv // hk
-        per_head = t.T.reshape(hp["hidden_size"], hk, -1)
-        q, k, v, z = per_head.split([dk, dk, r * dv, r * dv], dim=-1)
-        flat = [x.reshape(hp["hidden_size"], -1) for x in (q, k, v, z)]
-        base = name.rpartition(".linear_attn.")[0] + ".linear_attn"
-        return [
-            (f"{base}.in_proj_qkv.weight", torch.cat(flat[:3], dim=-1).T.contiguous()),
-            (f"{base}.in_proj_z.weight", flat[3].T.contiguous()),
-        ]
-    if name.endswith("mlp.experts.gate_up_proj"):  # Qwen2MoeModel: gate rows first, then up
-        inter = t.shape[-2] // 2
-        base = name.removesuffix(".gate_up_proj")
-        return [
-            (f"{base}.gate_proj.weight", t[:, :inter]),
-            (f"{base}.up_proj.weight", t[:, inter:]),
-        ]
-    if name.endswith("mlp.experts.down_proj"):
-        return [(f"{name}.weight", t)]
-    return [(name, t)]
-
-
-def write_hybrid_gguf(
-    model: Any,
-    path: Path,
-    experts: T = T.Q8_0,
-    tokenizer: Any = None,
-    chat_template: str | None = None,
-    skip: str | None = None,
-    mtp: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Write `model` (a tiny HF Qwen3.5-MoE text model or Qwen3-Next) as llama.cpp's converter
-    writes it (Qwen3_5MoeTextModel / Qwen3NextModel), experts quantized to `experts` (as
-    llama-quantize leaves the rest: 1-D tensors and norms F32; here every non-expert F32);
-    metadata key `skip` left out; with `mtp`, an MTP block appended as the newest converter
-    writes Qwen3.5's (`blk.{layers}`, `nextn_predict_layers`: a copy of the last layer's
-    attention and MoE with the `nextn.*` tensors). Return the reference state dict: the
-    model's weights with the experts as gguf dequantizes the bytes written."""
-    cfg = model.config
-    hp = cfg.to_dict()
-    arch = HYBRID_ARCH[cfg.model_type]
-    layers = cfg.num_hidden_layers
-    names = gguf.get_tensor_name_map(_ARCH_ENUMS[arch], layers + int(mtp))
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{cfg.model_type}")
-    _hybrid_metadata(w, hp, skip, int(mtp))
-    if tokenizer is not None:
-        _tokenizer(w, tokenizer, chat_template, "qwen35" if arch == "qwen35moe" else "qwen2")
-    ref: dict[str, torch.Tensor] = {}
-    state = model.state_dict()
-    if mtp:  # the draft block (HF `mtp.layers.0.*`, remapped by the converter to blk.{layers})
-        last = cfg.layer_types.index("full_attention")
-        for name, t in list(state.items()):
-            if name.startswith(f"model.layers.{last}."):
-                state[name.replace(f".{last}.", f".{layers}.", 1)] = t
-    for hf_name, tensor in state.items():
-        value = tensor.detach().float()
-        if not hf_name.startswith(f"model.layers.{layers}."):
-            ref[hf_name] = value.clone()
-        deq = []
-        for name, t in _converted(hf_name, value, hp):
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            assert gguf_name is not None, f"no GGUF name for {name}"
-            if ".experts." in name:
-                raw = gguf.quants.quantize(
-                    np.ascontiguousarray(t.reshape(-1, t.shape[-1])), experts
-                )
-                raw = np.ascontiguousarray(raw).view(np.uint8).reshape(*t.shape[:2], -1)
-                w.add_tensor(gguf_name, raw, raw_dtype=experts)
-                d = gguf.quants.dequantize(raw.reshape(-1, raw.shape[-1]), experts)
-                deq.append(torch.from_numpy(np.array(d, dtype=np.float32)).reshape(t.shape))
-            else:
-                w.add_tensor(gguf_name, np.ascontiguousarray(t.numpy()))
-        if deq and hf_name in ref:
-            ref[hf_name] = torch.cat(deq, dim=1) if len(deq) == 2 else deq[0]
-    if mtp:
-        d = cfg.hidden_size
-        g = torch.Generator().manual_seed(1)
-        for leaf, shape in (("eh_proj", (d, 2 * d)), ("enorm", (d,)), ("hnorm", (d,))):
-            w.add_tensor(
-                f"blk.{layers}.nextn.{leaf}.weight", torch.randn(shape, generator=g).numpy()
-            )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return ref
-
-
-_ARCH_ENUMS = {"qwen35moe": gguf.MODEL_ARCH.QWEN35MOE, "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}
-
-
-# GLM-4.5 and DeepSeek-V2/V3 (llama.cpp's glm4moe and deepseek2): the cross-family recipes with
-# D 64 and I 32, rows of whole Q8_0 blocks. GLM keeps head_dim 24 != D / heads (12 channels
-# rotate); DeepSeek-V3 runs yarn with mscale 0.707 (the softmax scale's correction is then not
-# 1); the DeepSeek-V2 one is V2-Lite's shape (no q LoRA, greedy softmax router).
-TINY_FAMILY.update(
-    {
-        "glm4_moe": {
-            **FAMILIES["glm4_moe"].tiny,
-            **FAMILIES["glm4_moe"].main,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "moe_intermediate_size": 32,
-            "num_hidden_layers": 3,
-        },
-        "deepseek_v3": {
-            **FAMILIES["deepseek_v3"].tiny,
-            **FAMILIES["deepseek_v3"].main,
-            "rope_parameters": {
-                **FAMILIES["deepseek_v3"].main["rope_parameters"],
-                "mscale": 0.707,
-                "mscale_all_dim": 0.707,
-            },
-        },
-        "deepseek_v2": {
-            **FAMILIES["deepseek_v2"].tiny,
-            "topk_method": "greedy",
-            "n_group": 1,
-            "topk_group": 1,
-            "routed_scaling_factor": 2.0,
-        },
-    }
-)
-
-
-def _add_metadata(w: gguf.GGUFWriter, values: list[tuple[str, Any, Any]], skip: str | None) -> None:
-    """(key suffix, GGUFWriter method, value) in the converter's order; `skip` left out."""
-    for key, add, value in values:
-        if key != skip and value is not None:
-            add(value)
-
-
-def _text_model_metadata(w: gguf.GGUFWriter, cfg: Any, block_count: int) -> list[Any]:
-    """TextModel.set_gguf_parameters: the keys it writes from an HF config.json."""
-    rope = cfg.rope_parameters
-    out: list[Any] = [
-        ("block_count", w.add_block_count, block_count),
-        ("context_length", w.add_context_length, cfg.max_position_embeddings),
-        ("embedding_length", w.add_embedding_length, cfg.hidden_size),
-        ("feed_forward_length", w.add_feed_forward_length, cfg.intermediate_size),
-        ("attention.head_count", w.add_head_count, cfg.num_attention_heads),
-        ("attention.head_count_kv", w.add_head_count_kv, cfg.num_key_value_heads),
-    ]
-    if rope.get("rope_type") == "yarn":
-        out += [
-            ("rope.scaling.type", w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
-            ("rope.scaling.factor", w.add_rope_scaling_factor, rope["factor"]),
-            (
-                "rope.scaling.original_context_length",
-                w.add_rope_scaling_orig_ctx_len,
-                rope["original_max_position_embeddings"],
-            ),
-            ("rope.scaling.yarn_beta_fast", w.add_rope_scaling_yarn_beta_fast, rope["beta_fast"]),
-            ("rope.scaling.yarn_beta_slow", w.add_rope_scaling_yarn_beta_slow, rope["beta_slow"]),
-        ]
-    out += [
-        ("rope.freq_base", w.add_rope_freq_base, float(rope["rope_theta"])),
-        ("attention.layer_norm_rms_epsilon", w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-        ("expert_count", w.add_expert_count, cfg.n_routed_experts),
-        ("expert_used_count", w.add_expert_used_count, cfg.num_experts_per_tok),
-        ("expert_group_count", w.add_expert_group_count, cfg.n_group),
-        ("expert_group_used_count", w.add_expert_group_used_count, cfg.topk_group),
-    ]
-    return out
-
-
-def _split_experts(
-    w: gguf.GGUFWriter, layer: int, hf_name: str, value: np.ndarray, qtype: T
-) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-    """HF's fused experts (gate_up [E, 2I, D], down [E, D, I]) written as the converter merges
-    per-expert matrices: `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols] in `qtype`. Return
-    gguf's dequantization in HF's layout, and the raw tensors by name."""
-    g = torch.Generator().manual_seed(0)
-    if hf_name.endswith("gate_up_proj"):
-        inter = value.shape[1] // 2
-        parts = [("gate", value[:, :inter]), ("up", value[:, inter:])]
-    else:
-        parts = [("down", value)]
-    deq, raws = [], {}
-    for part, v in parts:
-        raw, d = _encode_experts(np.ascontiguousarray(v), qtype, g)
-        name = f"blk.{layer}.ffn_{part}_exps.weight"
-        w.add_tensor(name, raw, raw_dtype=qtype)
-        raws[name] = raw
-        deq.append(d)
-    return torch.from_numpy(np.concatenate(deq, axis=1)), raws
-
-
-def _finish(w: gguf.GGUFWriter) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def write_glm4moe_gguf(
-    model: Any,
-    path: Path,
-    experts: T = T.Q8_0,
-    skip: str | None = None,
-    tokenizer: Any = None,
-    pre: str = "glm4",
-) -> dict[str, torch.Tensor]:
-    """Write `model` (a tiny HF GLM-4.5) as llama.cpp's converter (Glm4MoeModel) writes it:
-    its metadata (key `skip` left out), experts merged per layer in `experts`, the rest F32
-    under llama.cpp's names, no q/k permutation, and the NextN/MTP block appended as block
-    `num_hidden_layers` (`nextn_predict_layers` 1; random tensors, as the tiny HF model has
-    none: a reader that ran it would not match); a `tokenizer` with llama.cpp's pre-tokenizer
-    name `pre` (GLM-4.5's: "glm4"). Return the reference state dict."""
-    cfg = model.config
-    layers = cfg.num_hidden_layers
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + 1)
-    w = gguf.GGUFWriter(str(path), "glm4moe")
-    w.add_name("tiny-glm4moe")
-    rope = cfg.rope_parameters
-    _add_metadata(
-        w,
-        [
-            *_text_model_metadata(w, cfg, layers + 1),
-            ("attention.key_length", w.add_key_length, cfg.head_dim),
-            ("attention.value_length", w.add_value_length, cfg.head_dim),
-            (
-                "rope.dimension_count",
-                w.add_rope_dimension_count,
-                int(cfg.head_dim * rope.get("partial_rotary_factor", 0.5)),
-            ),
-            (
-                "expert_feed_forward_length",
-                w.add_expert_feed_forward_length,
-                cfg.moe_intermediate_size,
-            ),
-            ("expert_shared_count", w.add_expert_shared_count, cfg.n_shared_experts),
-            (
-                "leading_dense_block_count",
-                w.add_leading_dense_block_count,
-                cfg.first_k_dense_replace,
-            ),
-            ("expert_gating_func", w.add_expert_gating_func, gguf.ExpertGatingFuncType.SIGMOID),
-            ("expert_weights_scale", w.add_expert_weights_scale, cfg.routed_scaling_factor),
-            ("expert_weights_norm", w.add_expert_weights_norm, cfg.norm_topk_prob),
-            ("nextn_predict_layers", w.add_nextn_predict_layers, 1),
-        ],
-        skip,
-    )
-    if tokenizer is not None:
-        _tokenizer(w, tokenizer, None, pre)
-    ref: dict[str, torch.Tensor] = {}
-    last: dict[str, np.ndarray] = {}  # the last layer's tensors, the MTP block's shapes
-    for hf_name, tensor in model.state_dict().items():
-        value = tensor.detach().float().numpy()
-        layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else -1
-        if ".experts." in hf_name:
-            ref[hf_name], raws = _split_experts(w, layer, hf_name, value, experts)
-            if layer == layers - 1:
-                last.update(raws)
-            continue
-        ref[hf_name] = tensor.detach().float().clone()
-        # the converter renames e_score_correction_bias to e_score_correction.bias
-        base, suffix = hf_name.replace("_bias", ".bias").rsplit(".", 1)
-        gguf_name = names.get_name(base)
-        assert gguf_name is not None, f"no GGUF name for {hf_name}"
-        w.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(value))
-        if layer == layers - 1:
-            last[f"{gguf_name}.{suffix}"] = value
-    g = torch.Generator().manual_seed(7)
-    mtp = f"blk.{layers}."
-    for name, value in last.items():  # the MTP block: the last layer's tensors, other values
-        new = name.replace(f"blk.{layers - 1}.", mtp)
-        if value.dtype == np.uint8:
-            w.add_tensor(new, value[::-1].copy(), raw_dtype=experts)
-        else:
-            w.add_tensor(new, torch.randn(value.shape, generator=g).numpy())
-    d = cfg.hidden_size
-    for leaf, shape in (("eh_proj", (d, 2 * d)), ("enorm", (d,)), ("hnorm", (d,))):
-        w.add_tensor(f"{mtp}nextn.{leaf}.weight", torch.randn(shape, generator=g).numpy())
-    w.add_tensor(f"{mtp}nextn.shared_head_norm.weight", torch.ones(d).numpy())
-    _finish(w)
-    return ref
-
-
-def write_deepseek2_gguf(
-    model: Any, path: Path, experts: T = T.Q8_0, legacy: bool = False, skip: str | None = None
-) -> dict[str, torch.Tensor]:
-    """Write `model` (a tiny HF DeepSeek-V2 or V3) as llama.cpp's converter (DeepseekV2Model)
-    writes it: MLA as MQA over the latent (head_count_kv 1, key/value lengths of the latent,
-    the per-head ones in the `_mla` keys), kv_b_proj split per head into `attn_k_b` (the key
-    half transposed, [H, r, nope]) and `attn_v_b` [H, v, r], the router's function from the
-    config.json's scoring_func (V3 sigmoid, V2 softmax), yarn's 0.1 x mscale_all_dim. With
-    `legacy`, as converters before MLA absorption wrote it: `attn_kv_b` whole, the per-head
-    sizes in key/value_length, head_count_kv as the config states, no gating or group keys.
-    Experts merged per layer in `experts`, the rest F32; metadata key `skip` left out. Return
-    the reference state dict."""
-    cfg = model.config
-    v3 = cfg.model_type == "deepseek_v3"
-    layers = cfg.num_hidden_layers
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, layers)
-    w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_name("tiny-deepseek2")
-    rope = cfg.rope_parameters
-    nope, rope_dim, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    base_keys = _text_model_metadata(w, cfg, layers)
-    if legacy:
-        base_keys = [k for k in base_keys if not k[0].startswith("expert_group")]
-    else:  # "deepseek2 using MLA converts into MQA"
-        base_keys = [
-            (k, add, 1 if k == "attention.head_count_kv" else v) for k, add, v in base_keys
-        ]
-        gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
-        base_keys.append(("expert_gating_func", w.add_expert_gating_func, gating))
-    lengths = (
-        [
-            ("attention.key_length", w.add_key_length, nope + rope_dim),
-            ("attention.value_length", w.add_value_length, cfg.v_head_dim),
-        ]
-        if legacy
-        else [
-            ("attention.key_length", w.add_key_length, rank + rope_dim),
-            ("attention.value_length", w.add_value_length, rank),
-            ("attention.key_length_mla", w.add_key_length_mla, nope + rope_dim),
-            ("attention.value_length_mla", w.add_value_length_mla, cfg.v_head_dim),
-        ]
-    )
-    mscale_all = rope.get("mscale_all_dim")
-    _add_metadata(
-        w,
-        [
-            *base_keys,
-            (
-                "leading_dense_block_count",
-                w.add_leading_dense_block_count,
-                cfg.first_k_dense_replace,
-            ),
-            ("vocab_size", w.add_vocab_size, cfg.vocab_size),
-            ("attention.q_lora_rank", w.add_q_lora_rank, cfg.q_lora_rank),
-            ("attention.kv_lora_rank", w.add_kv_lora_rank, rank),
-            *lengths,
-            (
-                "expert_feed_forward_length",
-                w.add_expert_feed_forward_length,
-                cfg.moe_intermediate_size,
-            ),
-            ("expert_shared_count", w.add_expert_shared_count, cfg.n_shared_experts),
-            ("expert_weights_scale", w.add_expert_weights_scale, cfg.routed_scaling_factor),
-            (
-                "expert_weights_norm",
-                w.add_expert_weights_norm,
-                True if v3 and cfg.norm_topk_prob else None,  # written only when true
-            ),
-            ("rope.dimension_count", w.add_rope_dimension_count, rope_dim),
-            (
-                "rope.scaling.yarn_log_multiplier",
-                w.add_rope_scaling_yarn_log_mul,
-                None if mscale_all is None or rope.get("rope_type") != "yarn" else 0.1 * mscale_all,
-            ),
-        ],
-        skip,
-    )
-    ref: dict[str, torch.Tensor] = {}
-    heads, v_dim = cfg.num_attention_heads, cfg.v_head_dim
-    for hf_name, tensor in model.state_dict().items():
-        value = tensor.detach().float().numpy()
-        layer = int(hf_name.split(".")[2]) if hf_name.startswith("model.layers.") else -1
-        if ".experts." in hf_name:
-            ref[hf_name], _ = _split_experts(w, layer, hf_name, value, experts)
-            continue
-        ref[hf_name] = tensor.detach().float().clone()
-        if hf_name.endswith("kv_b_proj.weight") and not legacy:
-            kv_b = tensor.detach().float().view(heads, nope + v_dim, rank)
-            k_b, v_b = torch.split(kv_b, [nope, v_dim], dim=1)
-            w.add_tensor(f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
-            w.add_tensor(f"blk.{layer}.attn_v_b.weight", v_b.contiguous().numpy())
-            continue
-        base, suffix = hf_name.replace("_bias", ".bias").rsplit(".", 1)
-        gguf_name = names.get_name(base)
-        assert gguf_name is not None, f"no GGUF name for {hf_name}"
-        w.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(value))
-    _finish(w)
-    return ref
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

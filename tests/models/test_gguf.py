@@ -25,26 +25,24 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from moetier import LLM
-from moetier.errors import BudgetError, CheckpointError, ConfigError
+from moetier.errors import BudgetError, CheckpointError
 from moetier.weights.gguf import open_gguf
 from moetier.weights.mxfp4 import MXFP4
 from tests.models.gguf_files import (
+    NEW,
     Q4_K_M,
+    Types,
+    greedy_params,
     reference_model,
+    slot_bytes,
     tiny_hf_model,
-    tiny_hybrid_model,
     transformers_gguf,
-    write_deepseek2_gguf,
     write_gguf,
-    write_glm4moe_gguf,
     write_gpt_oss_gguf,
-    write_hybrid_gguf,
 )
 from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
 
-NEW = 16
 # name -> (family, expert types, non-expert type)
-Types = tuple[T, T, T] | dict[int, tuple[T, T, T]]
 # Q4_K_M as llama.cpp writes it: down in Q6_K in some layers, Q4_K in others
 MIXED = {0: Q4_K_M, 1: (T.Q4_K,) * 3}
 CASES: dict[str, tuple[str, Types, T]] = {
@@ -94,23 +92,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
     return Lazy(made)
 
 
-def _slot_bytes(experts: Types, d: int, i: int) -> int:
-    """One packed expert: gate [I, D], up [I, D], down [D, I] as GGUF blocks, 16-byte aligned
-    (per-layer types: the largest layer's)."""
-    if isinstance(experts, dict):
-        return max(_slot_bytes(types, d, i) for types in experts.values())
-    total = 0
-    for qtype, (rows, cols) in zip(experts, ((i, d), (i, d), (d, i))):
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        total += -(-(rows * cols // block * size) // 16) * 16
-    return total
-
-
 def _budget(name: str, which: str) -> str:
     family, experts, _ = CASES[name]
     top_k = 2 if family == "mixtral" else 4
     if which == "min":
-        return f"{top_k * _slot_bytes(experts, *_SIZES[family])}B"
+        return f"{top_k * slot_bytes(experts, *_SIZES[family])}B"
     return which
 
 
@@ -156,7 +142,7 @@ def test_layout_keeps_stored_types(files: Any) -> None:
     )
     packing = layout.packing(torch.float32)
     assert packing.name == "gguf-q4_k/gguf-q4_k/gguf-q6_k"
-    assert packing.nbytes == _slot_bytes(Q4_K_M, 256, 256) == 2 * 256 * 144 + 256 * 210
+    assert packing.nbytes == slot_bytes(Q4_K_M, 256, 256) == 2 * 256 * 144 + 256 * 210
     assert layout.source_bytes(1, 3) == 2 * 256 * 144 + 256 * 210
     row = torch.zeros(packing.numel, dtype=torch.uint8)
     assert layout.read_into(1, 3, row) == layout.source_bytes(1, 3)
@@ -179,7 +165,7 @@ def test_per_layer_types_and_per_expert_tensors(files: Any) -> None:
         packing = layout.packing(torch.float32)
         names = {layer: f.name for layer, f in packing.formats.items()}
         assert names == {0: "gguf-q4_k/gguf-q4_k/gguf-q6_k", 1: "gguf-q4_k"}, name
-        assert packing.nbytes == _slot_bytes(Q4_K_M, 256, 256) > packing.formats[1].nbytes
+        assert packing.nbytes == slot_bytes(Q4_K_M, 256, 256) > packing.formats[1].nbytes
         assert layout.source_bytes(1, 5) == 3 * 256 * 144
         row = torch.zeros(packing.numel, dtype=torch.uint8)
         assert layout.read_into(1, 5, row) == 3 * 256 * 144
@@ -196,7 +182,7 @@ def test_budget_buys_slots_of_stored_bytes(files: Any) -> None:
     """Slots are counted in encoded bytes: a 25% budget of the Q4_K_M file and a byte budget
     buy what those bytes allow, many more than the same bytes of float32 experts would."""
     path, _ = files["qwen3_moe-q4_k_m"]
-    slot = _slot_bytes(Q4_K_M, 256, 256)
+    slot = slot_bytes(Q4_K_M, 256, 256)
     dense = 3 * 256 * 256 * 4
     total = 2 * 8  # MoE layers x experts
     llm = LLM(str(path), expert_budget="25%", device="cpu", dtype="float32", progress=False)
@@ -234,7 +220,7 @@ def test_gguf_tokenizer_chat_template_and_cli(
     assert llm.tokenizer.encode(text) == tok.encode(text)
     msgs = [{"role": "user", "content": "hey"}]
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    reply = llm.chat(msgs, _params(6))
+    reply = llm.chat(msgs, greedy_params(6))
     assert reply.prompt_token_ids == tok.encode(want)
     assert len(reply.outputs[0].token_ids) == 6 and reply.outputs[0].text
     # `moetier generate file.gguf` (the model as a positional argument) says the same
@@ -245,12 +231,6 @@ def test_gguf_tokenizer_chat_template_and_cli(
     assert capsys.readouterr().out == reply.outputs[0].text + "\n"
     assert main([*args, "--model", str(path)]) == 2
     assert "give the model once" in capsys.readouterr().err
-
-
-def _params(n: int) -> Any:
-    from moetier import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def test_gguf_server(files: Any, tmp_path: Path) -> None:
@@ -387,7 +367,7 @@ def test_gpt_oss_parity(gpt_oss_files: Any, name: str, budget: str) -> None:
     path, ref = gpt_oss_files[name]
     if budget == "min":
         experts = (GPT_OSS_CASES[name][0],) * 3
-        budget = f"{GPT_OSS_TOP_K * _slot_bytes(experts, GPT_OSS_D, GPT_OSS_I)}B"
+        budget = f"{GPT_OSS_TOP_K * slot_bytes(experts, GPT_OSS_D, GPT_OSS_I)}B"
     llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
     cache = llm.engine.runner.expert_cache
     assert cache.packing.name == ("mxfp4" if "mxfp4" in name else "gguf-q8_0")
@@ -521,350 +501,3 @@ def test_gpt_oss_tokenizer_from_the_file(tmp_path: Path) -> None:
     assert got.encode(text) == tok.encode(text)
     assert tok.encode("12345") == [vocab["123"], vocab["4"], vocab["5"]]
     assert got.eos_token == "<|return|>"
-
-
-# Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next): written as llama.cpp's converter writes
-# them (tests/models/gguf_files.py write_hybrid_gguf), Q8_0 experts, F32 non-experts, the byte
-# tokenizer. Qwen3.5-MoE's reference is transformers' own GGUF load of the file; Qwen3-Next's
-# (transformers reads no qwen3next GGUF) the HF model holding gguf's dequantized experts.
-HYBRID_D, HYBRID_I, HYBRID_TOP_K = 64, 32, 2
-
-
-@pytest.fixture(scope="module")
-def hybrid_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any, Any]]:
-    """family -> (file, reference model, the HF model it was written from)."""
-    from transformers import AutoTokenizer
-
-    from tests.server.tiny import CHATML, VOCAB, save_byte_tokenizer
-
-    root = tmp_path_factory.mktemp("hybrid")
-    save_byte_tokenizer(root / "tok")
-    tok = AutoTokenizer.from_pretrained(root / "tok")
-
-    class Lazy(dict):  # type: ignore[type-arg]
-        def __missing__(self, family: str) -> tuple[Path, Any, Any]:
-            path = root / family / "model.gguf"
-            path.parent.mkdir()
-            model = tiny_hybrid_model(family, vocab_size=VOCAB)
-            state = write_hybrid_gguf(model, path, tokenizer=tok, chat_template=CHATML)
-            original = tiny_hybrid_model(family, vocab_size=VOCAB)
-            if family == "qwen3_5_moe":
-                ref = transformers_gguf(path)
-            else:
-                ref = reference_model(model, state)
-            self[family] = (path, ref, original)
-            return self[family]
-
-    return Lazy()
-
-
-@pytest.mark.parametrize(
-    "family,budget", [("qwen3_5_moe", "100%"), ("qwen3_5_moe", "min"), ("qwen3_next", "100%")]
-)
-def test_hybrid_parity(hybrid_files: Any, family: str, budget: str) -> None:
-    path, ref, _ = hybrid_files[family]
-    if budget == "min":
-        budget = f"{HYBRID_TOP_K * _slot_bytes((T.Q8_0,) * 3, HYBRID_D, HYBRID_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.name == "gguf-q8_0"
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == HYBRID_TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{family} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
-
-
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_hybrid_converter_inverses_exact(hybrid_files: Any, family: str) -> None:
-    """Every non-expert tensor read back is the HF model's the file was converted from: bit for
-    bit where the converter only renamed, reordered or reshaped (value heads tiled, qkvz split,
-    conv squeezed), and, where it stored `w + 1` (norms) or `-exp(A_log)`, to the value the model
-    computes with (`1 + w`, `exp(A_log)`: float32 keeps no more of w than the file). Qwen3.5's
-    also equal transformers' GGUF load of the file, experts included."""
-    path, ref, original = hybrid_files[family]
-    config, ckpt, layout = open_gguf(path)
-    hf = ref.state_dict() if family == "qwen3_5_moe" else {}
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    for name, want in original.state_dict().items():
-        if ".experts." in name:
-            continue
-        got = ckpt.read(name)
-        assert got.shape == want.shape, name
-        if name.endswith("A_log"):
-            assert torch.equal(got.exp(), want.exp()), name
-        elif name.endswith("norm.weight") and ".linear_attn." not in name:
-            assert torch.equal(1 + got, 1 + want), name
-        else:
-            assert torch.equal(got, want), name
-        if hf:
-            assert torch.equal(got, hf[name]), name
-    for layer in layout.layers:  # experts: transformers' dequantization of the stored blocks
-        row = torch.zeros(layout.packing(torch.float32).numel, dtype=torch.uint8)
-        layout.read_into(layer, 1, row)
-        gate_up, down = layout.packing(torch.float32).formats[layer].split(row)
-        if hf:
-            prefix = f"model.layers.{layer}.mlp.experts."
-            assert torch.equal(gate_up, hf[prefix + "gate_up_proj"][1]), layer
-            assert torch.equal(down, hf[prefix + "down_proj"][1]), layer
-    # the file's layout is not HF's: the inverses above did something
-    qkv = torch.from_numpy(tensors["blk.0.attn_qkv.weight"].data.copy())
-    assert tensors["blk.0.ssm_conv1d.weight"].data.ndim == 2
-    hf_qkv = "in_proj_qkv" if family == "qwen3_5_moe" else "in_proj_qkvz"
-    assert not torch.equal(
-        qkv, original.state_dict()[f"model.layers.0.linear_attn.{hf_qkv}.weight"][: qkv.shape[0]]
-    )
-
-
-def test_hybrid_config_tokenizer_and_mtp(hybrid_files: Any, tmp_path: Path) -> None:
-    """The config from the metadata is the HF model's (layer types from full_attention_interval,
-    value head width from ssm.inner_size, partial rotary from rope.dimension_count); the
-    tokenizer (pre-tokenizer "qwen35") and chat template come from the file; an MTP block
-    appended as `blk.{layers}` is not read; a projector (mmproj) file is an error saying what
-    to pass."""
-    from moetier.llm import load_tokenizer
-    from tests.server.tiny import CHATML
-
-    for family, extra in (
-        ("qwen3_5_moe", ()),
-        ("qwen3_next", ("norm_topk_prob", "mlp_only_layers")),
-    ):
-        path, _, original = hybrid_files[family]
-        want = original.config
-        config, _, _ = open_gguf(path)
-        for key in (
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
-            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-            "layer_types", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-            "rope_parameters", "model_type", *extra,
-        ):  # fmt: skip
-            assert getattr(config, key) == getattr(want, key), (family, key)
-        assert config.rms_norm_eps == float(np.float32(want.rms_norm_eps))  # stored as float32
-        assert config.architectures == [type(original).__name__], family
-        tok = load_tokenizer(path)  # qwen3next: transformers' GGUF config step reads none
-        assert tok is not None and tok.chat_template == CHATML, family
-        text = "Hi <|im_end|> there"
-        im_end = tok.convert_tokens_to_ids("<|im_end|>")
-        assert tok.encode(text) == [*b"Hi ", im_end, *b" there"], family
-    path, _, original = hybrid_files["qwen3_5_moe"]
-    want = original.config
-
-    mtp = tmp_path / "mtp.gguf"
-    write_hybrid_gguf(original, mtp, mtp=True)
-    config, ckpt, layout = open_gguf(mtp)
-    assert config.num_hidden_layers == want.num_hidden_layers
-    assert layout.layers == list(range(want.num_hidden_layers))
-    assert f"blk.{want.num_hidden_layers}.ffn_gate_exps.weight" in ckpt.file.tensors  # unread
-
-    mmproj = tmp_path / "mmproj-Qwen3.6-35B-A3B-F16.gguf"
-    w = gguf.GGUFWriter(str(mmproj), "clip")
-    w.add_tensor("v.patch_embd.weight", torch.zeros(4, 32).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CheckpointError, match=r"mmproj-.*\.gguf: a vision projector \(mmproj\)"):
-        open_gguf(mmproj)
-
-
-@pytest.mark.parametrize(
-    "family,key",
-    [
-        ("qwen3_5_moe", "ssm.conv_kernel"),
-        ("qwen3_5_moe", "ssm.inner_size"),
-        ("qwen3_5_moe", "rope.dimension_sections"),
-        ("qwen3_next", "ssm.state_size"),
-        ("qwen3_next", "attention.layer_norm_rms_epsilon"),
-    ],
-)
-def test_hybrid_missing_metadata_key_named(tmp_path: Path, family: str, key: str) -> None:
-    path = tmp_path / f"{family}-tiny.gguf"
-    write_hybrid_gguf(tiny_hybrid_model(family), path, skip=key)
-    arch = "qwen35moe" if family == "qwen3_5_moe" else "qwen3next"
-    with pytest.raises(
-        CheckpointError,
-        match=rf"{family}-tiny\.gguf: metadata key {arch}\.{re.escape(key)} is missing",
-    ):
-        open_gguf(path)
-
-
-# GLM-4.5 (glm4moe) and DeepSeek-V2/V3 (deepseek2), which transformers' GGUF load cannot read:
-# the HF model holding gguf's dequantization of the bytes written, as for gpt-oss. name ->
-# (family, writer options): GLM with its NextN block appended; DeepSeek-V3 as the converter
-# writes it now (kv_b_proj split into attn_k_b / attn_v_b, sigmoid router, yarn); DeepSeek-V2
-# (V2-Lite's shape) as older converters wrote it (attn_kv_b whole, no gating or group keys).
-DS_CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "glm4_moe": ("glm4_moe", {}),
-    "deepseek_v3": ("deepseek_v3", {}),
-    "deepseek_v2-kv_b": ("deepseek_v2", {"legacy": True}),
-}
-DS_D, DS_I = 64, 32
-DS_TOP_K = {"glm4_moe": 3, "deepseek_v3": 4, "deepseek_v2": 3}
-
-
-@pytest.fixture(scope="module")
-def ds_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    """Each case's GGUF file (Q8_0 experts, F32 rest) and its reference, written on first use."""
-    root = tmp_path_factory.mktemp("gguf_ds")
-
-    class Lazy(dict):  # type: ignore[type-arg]
-        def __missing__(self, name: str) -> tuple[Path, Any]:
-            family, options = DS_CASES[name]
-            path = root / f"{name}.gguf"
-            model = tiny_hf_model(family)
-            write = write_glm4moe_gguf if family == "glm4_moe" else write_deepseek2_gguf
-            self[name] = (path, reference_model(model, write(model, path, **options)))
-            return self[name]
-
-    return Lazy()
-
-
-@pytest.mark.parametrize(
-    "name,budget",
-    [
-        ("glm4_moe", "100%"),
-        ("glm4_moe", "min"),
-        ("deepseek_v3", "100%"),
-        ("deepseek_v3", "min"),
-        ("deepseek_v2-kv_b", "100%"),
-    ],
-)
-def test_glm_deepseek_parity(ds_files: Any, name: str, budget: str) -> None:
-    path, ref = ds_files[name]
-    top_k = DS_TOP_K[DS_CASES[name][0]]
-    if budget == "min":
-        budget = f"{top_k * _slot_bytes((T.Q8_0,) * 3, DS_D, DS_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.name == "gguf-q8_0"
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == top_k
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
-
-
-@pytest.mark.parametrize("name", list(DS_CASES))
-def test_glm_deepseek_config_and_tensors(ds_files: Any, name: str) -> None:
-    """The config comes from the metadata (the NextN block and MLA's MQA form undone) and
-    every tensor the HF model holds reads back exactly (kv_b_proj reassembled per head from
-    attn_k_b / attn_v_b, or read whole)."""
-    path, ref = ds_files[name]
-    config, ckpt, layout = open_gguf(path)
-    want = ref.config
-    assert config.architectures == [type(ref).__name__]
-    keys = [
-        "hidden_size", "intermediate_size", "moe_intermediate_size",
-        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-        "n_group", "topk_group", "routed_scaling_factor", "vocab_size", "tie_word_embeddings",
-        "max_position_embeddings",
-    ]  # fmt: skip
-    if want.model_type == "glm4_moe":
-        keys += ["attention_bias", "use_qk_norm", "norm_topk_prob", "rope_parameters"]
-    else:
-        keys += ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"]
-        v3 = want.model_type == "deepseek_v3"
-        keys += ["v_head_dim", "norm_topk_prob" if v3 else "topk_method"]
-    for key in keys:
-        assert getattr(config, key) == getattr(want, key), key
-    assert config.rms_norm_eps == float(np.float32(want.rms_norm_eps))  # stored as float32
-    if want.model_type == "deepseek_v3":  # yarn's mscale from 0.1 x mscale_all_dim (float32)
-        rope = dict(config.rope_parameters)
-        assert rope.pop("mscale") == rope.pop("mscale_all_dim") == pytest.approx(0.707)
-        assert rope == {
-            k: v for k, v in want.rope_parameters.items() if k not in ("mscale", "mscale_all_dim")
-        }
-    assert layout.layers == list(range(1, want.num_hidden_layers))
-    tensors = {t.name for t in gguf.GGUFReader(path).tensors}
-    split = {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"}
-    if name == "deepseek_v3":
-        assert split <= tensors and "blk.1.attn_kv_b.weight" not in tensors
-    elif name == "deepseek_v2-kv_b":
-        assert "blk.1.attn_kv_b.weight" in tensors and not split & tensors
-    else:  # the NextN block is in the file, not in the model
-        n = want.num_hidden_layers
-        assert f"blk.{n}.nextn.eh_proj.weight" in tensors and f"blk.{n}.attn_q.weight" in tensors
-        assert not any(f"layers.{n}." in hf for hf in ckpt.names)
-    state = ref.state_dict()
-    for hf_name, value in state.items():
-        if ".experts." not in hf_name:
-            assert hf_name in ckpt, hf_name
-            assert torch.equal(ckpt.read(hf_name), value), hf_name
-
-
-@pytest.mark.parametrize(
-    "family,key",
-    [
-        ("glm4_moe", "expert_shared_count"),
-        ("glm4_moe", "attention.layer_norm_rms_epsilon"),
-        ("deepseek_v3", "attention.kv_lora_rank"),
-        ("deepseek_v3", "rope.scaling.yarn_log_multiplier"),
-    ],
-)
-def test_glm_deepseek_missing_metadata_key_named(tmp_path: Path, family: str, key: str) -> None:
-    path = tmp_path / "tiny.gguf"
-    model = tiny_hf_model(family)
-    if family == "glm4_moe":
-        write_glm4moe_gguf(model, path, skip=key)
-    else:
-        write_deepseek2_gguf(model, path, skip=key)
-    arch = "glm4moe" if family == "glm4_moe" else "deepseek2"
-    with pytest.raises(
-        CheckpointError, match=rf"tiny\.gguf: metadata key {arch}\.{re.escape(key)} is missing"
-    ):
-        open_gguf(path)
-
-
-def test_glm_deepseek_tokenizer(tmp_path: Path) -> None:
-    """GLM-4.5's pre-tokenizer ("glm4") has no split in transformers' GGUF tokenizer, which
-    would fall back to GPT-2's: no tokenizer is built (a CheckpointError says to pass the
-    model's tokenizer as --tokenizer, or token ids); the model still runs on token ids, and
-    with `tokenizer=` on text. A pre-tokenizer transformers knows builds."""
-    from transformers import AutoTokenizer
-
-    from moetier.llm import load_tokenizer
-    from tests.server.tiny import VOCAB, save_byte_tokenizer
-
-    save_byte_tokenizer(tmp_path / "tok")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
-    model = tiny_hf_model("glm4_moe", vocab_size=VOCAB)
-    path = tmp_path / "GLM-tiny.gguf"
-    ref = reference_model(model, write_glm4moe_gguf(model, path, tokenizer=tok))
-    message = r"GLM-tiny\.gguf: transformers cannot build .* 'glm4'.*as --tokenizer"
-    with pytest.raises(CheckpointError, match=message):
-        load_tokenizer(path)
-    llm = LLM(str(path), expert_budget="100%", device="cpu", dtype="float32", progress=False)
-    assert llm.tokenizer is None
-    assert moetier_greedy(llm, PROMPTS[:1], 4)[0] == hf_greedy(ref, PROMPTS[0], 4)
-    with pytest.raises(CheckpointError, match=message):
-        llm.generate("hello", _params(4))
-    # the model's Hugging Face tokenizer passed instead: text prompts encode through it
-    given = LLM(
-        str(path),
-        tokenizer=tmp_path / "tok",
-        expert_budget="100%",
-        device="cpu",
-        dtype="float32",
-        progress=False,
-    )
-    text = "Hi there 123"
-    out = given.generate(text, _params(4))[0]
-    assert out.prompt_token_ids == tok.encode(text)
-    assert list(out.outputs[0].token_ids) == hf_greedy(ref, tok.encode(text), 4)
-    with pytest.raises(ConfigError, match=r"tokenizer .*missing-tok: transformers cannot load"):
-        load_tokenizer(path, tmp_path / "missing-tok")
-    known = tmp_path / "gpt2-pre.gguf"
-    write_glm4moe_gguf(model, known, tokenizer=tok, pre="qwen2")
-    built = load_tokenizer(known)
-    assert built is not None and built.encode("Hi there 123") == tok.encode("Hi there 123")
