@@ -39,7 +39,14 @@ def all_cores() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kept = os.environ.get("MOETIER_TEST_DEMO_HOME")
-    return Path(kept) if kept else tmp_path_factory.mktemp("moetier_home")
+    if kept:
+        return Path(kept)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one build for all workers (`ensure_demo_model` locks the directory while it builds)
+        shared = tmp_path_factory.getbasetemp().parent / "moetier_home"
+        shared.mkdir(exist_ok=True)
+        return shared
+    return tmp_path_factory.mktemp("moetier_home")
 
 
 @pytest.fixture(scope="session")
