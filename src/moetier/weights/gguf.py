@@ -13,10 +13,11 @@ The file is memory mapped and read by offset, never whole.
 
 Architectures: qwen3moe (Qwen3-MoE), qwen2moe (Qwen2-MoE, shared experts `ffn_*_shexp`), llama
 with experts (Mixtral) and gpt-oss (gpt-oss-20b/120b: attention sinks and biases, a biased
-router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built from the metadata keys
-llama.cpp reads, with what llama.cpp fixes for the architecture rather than stores), qwen35moe
-(Qwen3.5/3.6-MoE's language model) and qwen3next (Qwen3-Next): Gated DeltaNet hybrids, their
-config and the inverse of llama.cpp's converter on their tensors in weights/gguf_hybrid.py.
+router, expert biases `ffn_{gate,up,down}_exps.bias`; the config built in weights/gguf_gpt_oss.py
+from the metadata keys llama.cpp reads, with what it fixes for the architecture rather than
+stores), qwen35moe (Qwen3.5/3.6-MoE's language model) and qwen3next (Qwen3-Next): Gated
+DeltaNet hybrids, their config and the inverse of llama.cpp's converter on their tensors in
+weights/gguf_hybrid.py.
 glm4moe (GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
 weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
 llama.cpp's converter split (MLA's kv_b_proj) put back together.
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.weights import gguf_deepseek
+from moetier.weights import gguf_deepseek, gguf_gpt_oss
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
@@ -490,7 +491,7 @@ def _config(file: _GGUFFile) -> Any:
     if arch == "llama":
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
     if arch == "gpt-oss":
-        return AutoConfig.for_model("gpt_oss", **_gpt_oss_config(file, layers))
+        return AutoConfig.for_model("gpt_oss", **gguf_gpt_oss.config(file, layers))
     if arch in HYBRID_ARCHS:
         return AutoConfig.for_model(**hybrid_config(file))
     if arch in gguf_deepseek.ARCHS:
@@ -552,83 +553,6 @@ def _mixtral_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
         if value is not None:
             out[key] = int(value)
     return out
-
-
-# What llama.cpp fixes for gpt-oss rather than reads from the file (LLM_ARCH_OPENAI_MOE): the
-# clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE: alpha 1.702, limit 7), sliding-window attention on
-# every other layer from layer 0 (set_swa_pattern(2)), and yarn's beta_fast 32 / beta_slow 1
-# where the file states none. yarn's correction range is not rounded (`truncate: false`), as
-# the released gpt-oss configs say (llama.cpp's rope rounds it; transformers follows the config).
-_GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
-_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
-
-
-def _gpt_oss_config(file: _GGUFFile, layers: int) -> dict[str, Any]:
-    """gpt-oss's HF config from the metadata keys llama.cpp reads (a CheckpointError naming
-    the key where llama.cpp or yarn needs one, llama.cpp's defaults elsewhere), completed with
-    what llama.cpp fixes."""
-    hidden = int(file.require("embedding_length"))
-    heads = int(file.require("attention.head_count"))
-    head_dim = file.head_dim(hidden, heads)
-    out: dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHS["gpt-oss"]],
-        "vocab_size": file.vocab_size(),
-        "hidden_size": hidden,
-        "intermediate_size": int(file.require("expert_feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(file.get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(file.require("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(file.require("context_length")),
-        "num_local_experts": int(file.require("expert_count")),
-        "num_experts_per_tok": int(file.require("expert_used_count")),
-        "sliding_window": int(file.require("attention.sliding_window")),
-        "layer_types": [
-            "sliding_attention" if n % 2 == 0 else "full_attention" for n in range(layers)
-        ],
-        "rope_parameters": _gpt_oss_rope(file),
-        "attention_bias": True,
-        "tie_word_embeddings": "output.weight" not in file.tensors,
-        **_GPT_OSS_SWIGLU,
-    }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = file.fields.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}")
-        if value is not None:
-            out[key] = int(value)
-    return out
-
-
-def _gpt_oss_rope(file: _GGUFFile) -> dict[str, Any]:
-    """Rope parameters from `rope.freq_base` (llama.cpp's default 10000) and `rope.scaling.*`:
-    yarn (gpt-oss's: factor, original_context_length, betas) or none."""
-    theta = float(file.get("rope.freq_base", 10000.0))
-    kind = str(file.get("rope.scaling.type", "none"))
-    if kind == "none":
-        return {"rope_type": "default", "rope_theta": theta}
-    if kind != "yarn":
-        raise CheckpointError(
-            f"{file.path}: {file.arch}.rope.scaling.type is {kind!r}; gpt-oss uses yarn (or none)"
-        )
-    for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
-        if float(file.get(key, 1.0)) != 1.0:
-            raise CheckpointError(
-                f"{file.path}: {file.arch}.{key} is {file.get(key)}; moetier runs gpt-oss's "
-                f"yarn with 1.0 there (the converter writes none for the released models)"
-            )
-    return {
-        "rope_type": "yarn",
-        "rope_theta": theta,
-        "factor": float(file.require("rope.scaling.factor")),
-        "original_max_position_embeddings": int(
-            file.require("rope.scaling.original_context_length")
-        ),
-        **{
-            beta: float(file.get(f"rope.scaling.yarn_{beta}", default))
-            for beta, default in _YARN_BETAS.items()
-        },
-        "truncate": False,
-    }
 
 
 class GGUFModel:
