@@ -112,6 +112,10 @@ class OffloadConfig:
     # Prefetch copies move in chunks of this many bytes, so an on-demand miss waits behind at
     # most one chunk of prefetch on the copy stream.
     transfer_chunk_bytes: int = 8 << 20
+    # CUDA: how many prefetch chunks sit on the copy stream at once. 1 leaves the link idle
+    # between two chunks while the pump thread wakes and issues the next (it also waits for
+    # the GIL); more keeps it busy, and an on-demand miss waits behind that many chunks.
+    transfer_window: int = 1
     io_threads: int = 2  # background threads reading experts from disk (on-demand first)
     # CPU without a host tier: a fetch returns while its misses are still read (on the read
     # threads) and the MoE loop computes the experts already in place first (same sums, same
@@ -140,6 +144,7 @@ class OffloadConfig:
             )
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
         _at_least_1("transfer_chunk_bytes", self.transfer_chunk_bytes, "bytes per prefetch copy")
+        _at_least_1("transfer_window", self.transfer_window, "prefetch chunks on the copy stream")
         _at_least_1("io_threads", self.io_threads, "disk read threads")
         if self.prefetch is not None and not isinstance(self.prefetch, str):
             raise ConfigError(f"prefetch must be a predictor name or None, got {self.prefetch!r}")

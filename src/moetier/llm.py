@@ -183,6 +183,7 @@ class LLM:
         late_reads: bool = True,
         device_cache: bool = False,
         stream_eviction: bool = False,
+        transfer_window: int = 1,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,
@@ -199,6 +200,8 @@ class LLM:
         not given (None = 64 sequences, and the split may hold fewer). `stream_eviction`:
         streamed steps (long prefills, big batches; `moe_stream_share`) evict in the step's
         next-use order around `policy` (offload/step_aware.py); False = `policy` alone.
+        `transfer_window`: prefetch chunks on the CUDA copy stream at once (a miss waits
+        behind that many).
         `expert_parallel_size`: routed experts spread over this many ranks, one process each
         (this one is rank 0; the others start here, or under torchrun), each rank's budgets
         its own; `expert_placement` "round-robin" or "balanced" (by use in `placement_trace`);
@@ -230,6 +233,7 @@ class LLM:
             late_reads=late_reads,
             device_cache=device_cache,
             stream_eviction=stream_eviction,
+            transfer_window=transfer_window,
         )
         parallel = ParallelConfig(
             expert_parallel_size,

@@ -47,3 +47,11 @@ def test_prefix_caching_switch_must_be_a_bool() -> None:
     assert CacheConfig().enable_prefix_caching is True
     with pytest.raises(ConfigError, match="enable_prefix_caching must be True or False"):
         CacheConfig(enable_prefix_caching="no")  # type: ignore[arg-type]
+
+
+def test_transfer_window_must_be_positive() -> None:
+    from moetier.config import OffloadConfig
+
+    assert OffloadConfig().transfer_window == 1
+    with pytest.raises(ConfigError, match="transfer_window"):
+        OffloadConfig(transfer_window=0)

@@ -105,6 +105,22 @@ def test_on_demand_copy_overtakes_queued_prefetches() -> None:
     assert engine.query(a) and engine.query(b) and engine.query(d)
 
 
+def test_window_keeps_that_many_prefetch_chunks_on_the_stream() -> None:
+    dst, src, tags = _buffers("ABD", 8)  # 2 chunks a prefetch
+    copier = FakeCopier(tags)
+    engine = TransferEngine(copier, chunk_bytes=16, window=3)
+    engine.submit("A", dst[0], src[0], PREFETCH)
+    engine.submit("B", dst[1], src[1], PREFETCH)
+    assert copier.log == ["A0", "A1", "B0"]  # three chunks queued on the stream back to back
+    engine.submit("D", dst[2], src[2], ON_DEMAND)
+    assert copier.log == ["A0", "A1", "B0", "D0"]  # a miss waits behind the window's chunks
+    assert engine.pump() == 0  # none complete: the window is full
+    copier.events[0].done.set()  # A0 done: one place free
+    assert engine.pump() == 1 and copier.log[-1] == "B1"
+    copier.complete_all()
+    assert torch.equal(dst, src)
+
+
 def test_cancel_drops_unissued_chunks_and_stale_jobs() -> None:
     dst, src, tags = _buffers("ABC", 8)
     copier = FakeCopier(tags)

@@ -94,6 +94,7 @@ def build_tiers(
             stats,
             cfg.policy,
             chunk_bytes=cfg.transfer_chunk_bytes,
+            window=cfg.transfer_window,
             io_threads=cfg.io_threads,
             late_reads=cfg.late_reads,
             stream_eviction=cfg.stream_eviction,

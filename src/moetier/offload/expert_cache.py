@@ -75,15 +75,16 @@ class ExpertCache:
         stats: OffloadStats,
         policy: str = "lru",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = 1,
         io_threads: int = 2,
         copier: Copier | None = None,
         late_reads: bool = False,
         stream_eviction: bool = False,
     ) -> None:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
-        pumped on every cache call, one prefetch chunk in flight). `stream_eviction`: the calls
-        of streamed steps (announced by `streaming`) pick victims in the step's next-use order
-        (offload/step_aware.py); every other call uses `policy` alone, as without it."""
+        pumped on every cache call, `window` prefetch chunks in flight). `stream_eviction`: the
+        calls of streamed steps (announced by `streaming`) pick victims in the step's next-use
+        order (offload/step_aware.py); every other call uses `policy` alone, as without it."""
         self.host = host
         self.packing = host.packing  # slots hold experts as the host rows do (formats.py)
         self.shape = self.packing.shape
@@ -103,11 +104,11 @@ class ExpertCache:
         self.token_requests: list[int] | None = None
         self.cuda = device.type == "cuda"
         if copier is not None:
-            self.transfer = TransferEngine(copier, chunk_bytes, window=1)
+            self.transfer = TransferEngine(copier, chunk_bytes, window=window)
         else:  # CPU copies are memcpys done on issue: no window, no pump thread
             own: Copier = CudaCopier(device) if self.cuda else SyncCopier()
             self.transfer = TransferEngine(
-                own, chunk_bytes, window=1 if self.cuda else None, background=self.cuda
+                own, chunk_bytes, window=window if self.cuda else None, background=self.cuda
             )
         self.reads = ReadPool(io_threads)
         # CPU, no host tier: fetch may return before its misses' reads finish (module doc).
