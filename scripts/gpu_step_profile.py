@@ -3,11 +3,13 @@ PROMPTS and a decode step at batch BATCH, each profiled with torch.profiler (CPU
 top operators by self CPU time and kernels by device time. Prints tables; no files.
 
     python3 scripts/gpu_step_profile.py MODEL_DIR [--prompts 64,2048] [--batch 64] \
-        [--routing uniform] [--budget 100%]
+        [--routing uniform] [--budget 100%] [--set "transfer_window=4 stream_eviction=true"]
 
 --routing uniform replaces the random-weight routers' choice with the bench's seeded uniform
 draws (on the device), as `bench latency --routing uniform` does; --batch 0 skips the decode
-step.
+step. Each profiled step also gets its device timeline: host->device copies and kernels as
+unions of intervals, their overlap, and how long the link sat idle between its first and last
+copy (with experts offloaded, a prompt step is bound by the link: idle link time is lost time).
 """
 
 from __future__ import annotations
@@ -21,6 +23,72 @@ from torch.profiler import ProfilerActivity, profile
 from moetier import LLM, SamplingParams
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            total += max(0.0, min(b, y[k][1]) - max(a, y[k][0]))
+            k += 1
+    return total
+
+
+def timeline(prof: profile) -> str:
+    """The device timeline of one profiled step: H2D copies vs kernels (ms)."""
+    from torch.autograd import DeviceType
+
+    dev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in dev]
+    if not spans:
+        return "timeline: no device events"
+    h2d = _union([s for e, s in zip(dev, spans) if "HtoD" in e.name])
+    kern = _union(
+        [s for e, s in zip(dev, spans) if "Memcpy" not in e.name and "Memset" not in e.name]
+    )
+    first, last = min(a for a, _ in spans), max(b for _, b in spans)
+    line = f"timeline: device span {(last - first) / 1e3:.1f} ms, kernels {_length(kern) / 1e3:.1f}"
+    if h2d:
+        link = h2d[-1][1] - h2d[0][0]
+        line += (
+            f", H2D busy {_length(h2d) / 1e3:.1f} ({len(h2d)} runs), link idle between its "
+            f"first and last copy {(link - _length(h2d)) / 1e3:.1f}, copies under kernels "
+            f"{_overlap(h2d, kern) / 1e3:.1f}, kernels after the last copy "
+            f"{_length([(max(a, h2d[-1][1]), b) for a, b in kern if b > h2d[-1][1]]) / 1e3:.1f}"
+        )
+    return line
+
+
+def _settings(text: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        low = value.lower()
+        out[key] = (
+            True
+            if low == "true"
+            else False
+            if low == "false"
+            else (int(value) if value.lstrip("-").isdigit() else value)
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -28,9 +96,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--routing", default="model", choices=["model", "uniform"])
     ap.add_argument("--budget", default="100%")
+    ap.add_argument("--set", default="", help='more LLM(...) settings: "key=value key=value"')
     args = ap.parse_args()
     llm = LLM(
-        args.model, device="cuda", dtype="bfloat16", progress=False, expert_budget=args.budget
+        args.model,
+        device="cuda",
+        dtype="bfloat16",
+        progress=False,
+        expert_budget=args.budget,
+        **_settings(args.set),  # type: ignore[arg-type]
     )
     eng = llm.engine
     if args.routing == "uniform":
@@ -68,6 +142,7 @@ def main() -> None:
             prompt_step(n)
             torch.cuda.synchronize()
         drain()
+        print(timeline(prof))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
     b = args.batch
@@ -81,8 +156,10 @@ def main() -> None:
     t0 = time.perf_counter()
     eng.step()
     torch.cuda.synchronize()
-    print(f"\n## decode batch {b}: step {1e3 * (time.perf_counter() - t0):.1f} ms, "
-          f"graph replays {eng.runner.graphs.replays if eng.runner.graphs else 0}")
+    print(
+        f"\n## decode batch {b}: step {1e3 * (time.perf_counter() - t0):.1f} ms, "
+        f"graph replays {eng.runner.graphs.replays if eng.runner.graphs else 0}"
+    )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()

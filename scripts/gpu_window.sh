@@ -7,7 +7,10 @@
 #      copy's wait mid-stream, beside one whole copy;
 #   2. GPU tests named by TESTS (files) and TESTS_K (-k), when TESTS is set;
 #   3. rows (scripts/gpu_rows.sh): the Qwen3-30B-A3B shape at WINDOW_LAYERS (12) layers, a
-#      2,048-token prompt at 25 %, for each entry of WINDOW_SETS (settings, "-" for none).
+#      2,048-token prompt at 25 %, for each entry of WINDOW_SETS (settings, "-" for none);
+#   4. the device timeline of one such prompt step (scripts/gpu_step_profile.py, uniform
+#      routing) for each entry of PROFILE_SETS (default: none and the window of 4): link busy,
+#      idle and under kernels.
 # Results under $OUT: summary.md, window-results.tar.gz, gpu_window.log.
 set -uo pipefail
 START=$SECONDS
@@ -35,7 +38,18 @@ done
 budget=$(left)
 if [ "$budget" -ge 60 ]; then
   env OUT="$WORK/rows" DEADLINE=$((budget - 10)) ROWS="${rows[*]}" ROW_BUDGETS=${WINDOW_BUDGETS:-25%} \
-    ROW_ARGS="--input-len ${WINDOW_PROMPT:-2048}" bash scripts/gpu_rows.sh >/dev/null 2>&1
+    ROW_KEEP=1 ROW_ARGS="--input-len ${WINDOW_PROMPT:-2048}" bash scripts/gpu_rows.sh >/dev/null 2>&1
   cp "$WORK/rows/summary.md" "$WORK/rows.md" 2>/dev/null
+fi
+M=$(ls -d "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-L"$L"-s0 2>/dev/null | head -n 1)
+if [ -n "$M" ]; then
+  i=0
+  for s in ${PROFILE_SETS:-- transfer_window=4}; do
+    i=$((i + 1))
+    step "profile-$i" python3 scripts/gpu_step_profile.py "$M" --prompts "${WINDOW_PROMPT:-2048}" \
+      --batch 0 --routing uniform --budget "${WINDOW_BUDGETS:-25%}" --set "${s#-}"
+    { echo "### ${s}"; grep -E "^## prompt|^timeline" "$WORK/profile-$i.log"; } >>"$WORK/profiles.md"
+  done
+  rm -rf "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-*
 fi
 summarize "$WORK/tests.log"
