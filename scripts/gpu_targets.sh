@@ -10,7 +10,8 @@
 #      step's host and device time go, expanded (scripts/gpu_step_profile.py --routing uniform);
 #   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
 #      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
-#      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %.
+#      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %, then at 25 % with
+#      each entry of Q3_SETS (settings k=v,k=v; e.g. transfer_window=4,stream_eviction=true).
 # Results under $OUT: summary.md, targets-results.tar.gz, gpu_targets.log.
 set -uo pipefail
 START=$SECONDS
@@ -63,6 +64,11 @@ if [ "${SKIP_Q3:-0}" != 1 ]; then
   Q=(--synthetic qwen3-30b-a3b --layers 48)
   ttft q3-p64 "${Q[@]}" --expert-budget 100% --routing uniform --input-len 64
   ttft q3-p2048 "${Q[@]}" --expert-budget 100%,25% --routing "trace:$TRACE" --input-len 2048
+  # Q3_SETS: more 25% rows of the 2,048-token prompt, one per entry of settings (k=v,k=v)
+  for s in ${Q3_SETS:-}; do
+    ttft "q3-p2048-${s//[=,]/-}" "${Q[@]}" --expert-budget 25% --routing "trace:$TRACE" \
+      --input-len 2048 --set "${s//,/ }"
+  done
 fi
 
 summarize "$WORK/tests.log"
