@@ -136,12 +136,14 @@ class OffloadConfig:
     # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off. Off
     # by default until `bench gate` on a GPU says it shortens TTFT (replay counts loads only).
     stream_eviction: bool = False
+    # A streamed step's prefetch of the next layer goes on the copy stream at once, whole,
+    # rather than chunk by chunk through the pump thread (ExpertCache.prefetch says why).
+    stream_copy_now: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stream_eviction, bool):
-            raise ConfigError(
-                f"stream_eviction must be True or False, got {self.stream_eviction!r}"
-            )
+        for name in ("stream_eviction", "stream_copy_now"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _at_least_1("prefetch_ahead", self.prefetch_ahead, "MoE layers ahead to prefetch for")
         _at_least_1("transfer_chunk_bytes", self.transfer_chunk_bytes, "bytes per prefetch copy")
         _at_least_1("transfer_window", self.transfer_window, "prefetch chunks on the copy stream")

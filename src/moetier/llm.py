@@ -184,6 +184,7 @@ class LLM:
         device_cache: bool = False,
         stream_eviction: bool = False,
         transfer_window: int = 1,
+        stream_copy_now: bool = False,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         gpu_memory: Budget = None,
@@ -201,7 +202,8 @@ class LLM:
         streamed steps (long prefills, big batches; `moe_stream_share`) evict in the step's
         next-use order around `policy` (offload/step_aware.py); False = `policy` alone.
         `transfer_window`: prefetch chunks on the CUDA copy stream at once (a miss waits
-        behind that many).
+        behind that many). `stream_copy_now`: a streamed step's next-layer loads go on the copy
+        stream at once, whole, not through the pump thread.
         `expert_parallel_size`: routed experts spread over this many ranks, one process each
         (this one is rank 0; the others start here, or under torchrun), each rank's budgets
         its own; `expert_placement` "round-robin" or "balanced" (by use in `placement_trace`);
@@ -234,6 +236,7 @@ class LLM:
             device_cache=device_cache,
             stream_eviction=stream_eviction,
             transfer_window=transfer_window,
+            stream_copy_now=stream_copy_now,
         )
         parallel = ParallelConfig(
             expert_parallel_size,

@@ -163,6 +163,37 @@ def test_hit_on_a_loading_slot_waits_for_its_event(layout: ExpertLayout) -> None
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("copy_now", [False, True])
+def test_streamed_prefetch_copies_at_once_with_stream_copy_now(
+    layout: ExpertLayout, copy_now: bool
+) -> None:
+    """A streamed step's next-layer prefetch: through the pump, one chunk on the "stream" and
+    the rest queued; with `stream_copy_now`, every copy issued at once, whole. A guess (not
+    streamed) is queued either way."""
+    copier = FakeCopier()
+    cache = _cache(layout, slots=4, host_rows=8, copier=copier)
+    cache.stream_copy_now = copy_now
+    assert cache.prefetch(0, [0], streamed=False) == 1
+    assert len(copier.events) == 1 and cache.transfer.pending() == 0
+    copier.complete_all()
+    assert cache.prefetch(1, [0, 1, 2], streamed=True) == 3
+    assert len(copier.events) == (4 if copy_now else 2)
+    assert cache.transfer.pending() == (0 if copy_now else 2)
+    states = [cache.slot_state(K(1, e)) for e in range(3)]
+    loading = [SlotState.LOADING] * 2
+    assert states == ([SlotState.READY] * 3 if copy_now else [SlotState.READY, *loading])
+    s = cache.stats
+    assert (s.prefetches_issued, s.bytes_host_to_device) == (
+        4,
+        (4 if copy_now else 2) * cache.expert_bytes,
+    )
+    batch = cache.fetch(1, [0, 1, 2])  # hits either way, the same bytes in the same slots
+    for i, e in enumerate(batch.experts):
+        assert torch.equal(batch.pool[batch.slots[i]], _expert(layout, K(1, e)))
+    cache.release(batch)
+    cache.check_integrity()
+
+
 def test_prefetch_accounting_exact(layout: ExpertLayout) -> None:
     copier = FakeCopier()
     cache = _cache(layout, slots=3, host_rows=8, copier=copier)

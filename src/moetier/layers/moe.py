@@ -413,7 +413,8 @@ class MoEBlock(nn.Module):
         if self.next_layer is not None and self._wide(distinct):
             provider = self.provider
             assert provider is not None and self.next_layer is not None
-            provider.count_streamed(provider.prefetch(self.next_layer, range(self.num_experts)))
+            loads = provider.prefetch(self.next_layer, range(self.num_experts), streamed=True)
+            provider.count_streamed(loads)
 
     def _wide(self, distinct: int) -> bool:
         """A call of `distinct` experts (in one wave) belongs to a streamed step: it streams the

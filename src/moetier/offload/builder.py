@@ -98,6 +98,7 @@ def build_tiers(
             io_threads=cfg.io_threads,
             late_reads=cfg.late_reads,
             stream_eviction=cfg.stream_eviction,
+            stream_copy_now=cfg.stream_copy_now,
         )
         if plan.device_slots == plan.total_experts:
             _preload_all(cache, layout, progress)

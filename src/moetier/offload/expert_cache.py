@@ -80,11 +80,14 @@ class ExpertCache:
         copier: Copier | None = None,
         late_reads: bool = False,
         stream_eviction: bool = False,
+        stream_copy_now: bool = False,
     ) -> None:
         """`copier` replaces the device's (tests: a fake with events completed by hand; it is
         pumped on every cache call, `window` prefetch chunks in flight). `stream_eviction`: the
         calls of streamed steps (announced by `streaming`) pick victims in the step's next-use
-        order (offload/step_aware.py); every other call uses `policy` alone, as without it."""
+        order (offload/step_aware.py); every other call uses `policy` alone, as without it.
+        `stream_copy_now`: a streamed step's prefetch of the next layer puts its copies on the
+        stream at once, whole, instead of through the pump (see `prefetch`)."""
         self.host = host
         self.packing = host.packing  # slots hold experts as the host rows do (formats.py)
         self.shape = self.packing.shape
@@ -99,6 +102,7 @@ class ExpertCache:
         self.policy = make_policy(policy)  # swapped for the step-aware wrapper while streaming
         self.wants_routing = self.policy.wants_routing
         self._stream = StreamEviction(self.policy) if stream_eviction else None
+        self.stream_copy_now = stream_copy_now
         # Request id of each token of the current step ([T]), for the policy with a call's
         # routing; set by the model runner before each forward (only when `wants_routing`).
         self.token_requests: list[int] | None = None
@@ -252,11 +256,19 @@ class ExpertCache:
         for s in batch.slots:
             self.slot_free_event[s] = done
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def prefetch(self, layer: int, experts: Sequence[int], streamed: bool = False) -> int:
         """Start low-priority loads of `experts` of MoE layer `layer` into free slots or the
         policy's victims, never evicting a pinned slot, another key of `layer` (as likely to be
         needed as the guess) or cancelling another load; returns how many started. A later
         fetch of such a key is a hit that waits for its load.
+
+        `streamed` (the next layer of a streamed step, all of whose experts will be used) with
+        `stream_copy_now`: the copies of host-tier rows go on the copy stream at once, whole, as
+        on-demand copies do, behind what is already there, and can no longer be cancelled. Fed
+        through the pump instead, chunk by chunk, they move only when the pump thread gets the
+        GIL, which the host's own work holds (on the H100, 128 queued 9.4 MB prefetches moved
+        at 0.5-0.9 GB/s while the main thread ran Python, 29-47 GB/s while it waited:
+        scripts/gpu_transfer_window.py).
 
         Called after the current layer's fetch: its unpinned loads still in progress are stale
         and are cancelled first."""
@@ -270,12 +282,13 @@ class ExpertCache:
         exclude = (
             self.table.pinned_keys() | self.table.loading_keys() | self.table.keys_of_layer(layer)
         )
+        now = streamed and self.stream_copy_now
         started = 0
         for e in experts:
             key = ExpertKey(layer, e)
             if key in self.slot_of:
                 continue
-            if self._start(key, PREFETCH, exclude) is None:
+            if self._start(key, PREFETCH, exclude, now=now) is None:
                 break
             exclude.add(key)
             started += 1
@@ -284,10 +297,16 @@ class ExpertCache:
 
     # starting loads
     def _start(
-        self, key: ExpertKey, priority: int, exclude: set[ExpertKey], wave: _Wave | None = None
+        self,
+        key: ExpertKey,
+        priority: int,
+        exclude: set[ExpertKey],
+        wave: _Wave | None = None,
+        now: bool = False,
     ) -> int | None:
         """Claim a slot for `key` and start its load; None (prefetch only) when a slot or a host
-        row would have to be waited for."""
+        row would have to be waited for. `now`: a host-tier row's copy is issued at once, whole
+        (a prefetch keeps its priority everywhere else)."""
         urgent = priority == ON_DEMAND
         row = self.host.lookup(key)
         cached = row is not None
@@ -310,7 +329,7 @@ class ExpertCache:
         if cached:
             if urgent:
                 self.stats.host_hits += 1
-            self._start_copy(load, priority)
+            self._start_copy(load, ON_DEMAND if now else priority)
         else:
             self._start_read(load)
         return slot

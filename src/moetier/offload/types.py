@@ -137,7 +137,8 @@ class ExpertProvider(Protocol):
         """Compute using `batch` has been issued; its slots may be reused after it completes."""
         ...
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+    def prefetch(self, layer: int, experts: Sequence[int], streamed: bool = False) -> int:
         """Start low-priority loads of `experts` of `layer` (a guess; never evicts what a wave
-        being computed holds); returns how many loads started. Never blocks."""
+        being computed holds); returns how many loads started. Never blocks. `streamed`: the
+        next layer of a streamed step (every expert of it will be used)."""
         ...
