@@ -2,10 +2,11 @@
 # One device call for the copy stream's prefetch window and stream eviction (issues #19, #20),
 # from the repo root on the GPU machine, in order (each step logs and the script goes on when
 # one fails; no step starts within 30 s of DEADLINE seconds):
-#   1. scripts/gpu_transfer_window.py: prefetch GB/s through the transfer engine by window (1, 2,
+#   1. (SKIP_WINDOW=1 skips) scripts/gpu_transfer_window.py: prefetch GB/s through the transfer engine by window (1, 2,
 #      4, 8 chunks of 8 MiB on the stream), main thread idle or busy in Python, and an on-demand
 #      copy's wait mid-stream, beside one whole copy;
-#   2. GPU tests named by TESTS (files) and TESTS_K (-k), when TESTS is set;
+#   2. GPU tests named by TESTS (files) and TESTS_K (-k), when TESTS is set, for at most
+#      TESTS_LIMIT seconds;
 #   3. rows (scripts/gpu_rows.sh): the Qwen3-30B-A3B shape at WINDOW_LAYERS (12) layers, a
 #      2,048-token prompt at 25 %, for each entry of WINDOW_SETS (settings, "-" for none);
 #   4. the device timeline of one such prompt step (scripts/gpu_step_profile.py, uniform
@@ -24,10 +25,12 @@ source scripts/gpu_steps.sh
 source scripts/gpu_wheels.sh
 
 log "device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-step window python3 scripts/gpu_transfer_window.py --out "$WORK/window.json"
-grep -A20 "^device:" "$WORK/window.log" >"$WORK/window.md" 2>/dev/null
+if [ "${SKIP_WINDOW:-0}" != 1 ]; then
+  step window python3 scripts/gpu_transfer_window.py --out "$WORK/window.json"
+  grep -A20 "^device:" "$WORK/window.log" >"$WORK/window.md" 2>/dev/null
+fi
 if [ -n "${TESTS:-}" ]; then
-  step tests python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} \
+  step tests timeout -k 5 "${TESTS_LIMIT:-600}" python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} \
     -rs --junitxml="$WORK/junit-window.xml"
 fi
 L=${WINDOW_LAYERS:-12}
@@ -47,7 +50,7 @@ if [ -n "$M" ]; then
   for s in ${PROFILE_SETS:-- transfer_window=4}; do
     i=$((i + 1))
     step "profile-$i" python3 scripts/gpu_step_profile.py "$M" --prompts "${WINDOW_PROMPT:-2048}" \
-      --batch 0 --routing uniform --budget "${WINDOW_BUDGETS:-25%}" --set "${s#-}"
+      --batch 0 --routing uniform --budget "${WINDOW_BUDGETS:-25%}" --set "$(s=${s#-}; echo "${s//,/ }")"
     { echo "### ${s}"; grep -E "^## prompt|^timeline" "$WORK/profile-$i.log"; } >>"$WORK/profiles.md"
   done
   rm -rf "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-*
