@@ -12,7 +12,11 @@ one run sees exactly the same routing once `reset()` is called at the start of i
 Uniform draws are made on the run's device: on CUDA the draw of a 2,048-token prompt (a
 [T, E] argsort per MoE layer, 3-7 ms on a host core) would otherwise put host time into every
 layer of the timed prefill that the model's own routers never spend. CUDA and CPU draws of one
-seed differ; draws on one device repeat exactly.
+seed differ; draws on one device repeat exactly. A trace's streams are kept on the run's device
+too, and a call's rows are gathered there: a host tensor copied in per layer would be a blocking
+copy on the compute stream, so the host would wait each layer for the compute stream, and with it
+for the layer's expert loads, before deciding the next layer's (the model's routers never wait
+so).
 
 Trace replay onto another shape: model MoE layer i (i-th MoE layer, counting from 0) replays
 trace MoE layer `i mod L_trace`; that layer's per-token rows (all records, in file order) form
@@ -103,7 +107,14 @@ def fit_row(row: list[int], num_experts: int, top_k: int) -> list[int]:
 class TraceRouting:
     """Replays a recorded trace's expert ids (layers and tokens cycled; see module docstring)."""
 
-    def __init__(self, trace: RoutingTrace, num_experts: int, top_k: int, label: str) -> None:
+    def __init__(
+        self,
+        trace: RoutingTrace,
+        num_experts: int,
+        top_k: int,
+        label: str,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not trace.records:
             from moetier.errors import ConfigError
 
@@ -112,11 +123,12 @@ class TraceRouting:
         layers = trace.header.moe_layers or sorted({r.layer for r in trace.records})
         per_layer = [[r for r in trace.records if r.layer == la] for la in layers]
         per_layer = [recs for recs in per_layer if recs]  # trace layers that have records
-        # one [N, K] int64 stream per trace layer that has records
+        # one [N, K] int64 stream per trace layer that has records, on `device`
         self.streams = [
             torch.tensor(
                 [fit_row(row, num_experts, top_k) for r in recs for row in r.experts],
                 dtype=torch.long,
+                device=device,
             )
             for recs in per_layer
         ]
@@ -142,7 +154,8 @@ class TraceRouting:
         pos = self.cursor.get(index, 0)
         self.cursor[index] = pos + num_tokens
         self.last_call[index] = (pos, num_tokens)
-        return stream[torch.arange(pos, pos + num_tokens) % stream.shape[0]]  # [T, K]
+        rows = torch.arange(pos, pos + num_tokens, device=stream.device) % stream.shape[0]
+        return stream[rows]  # [T, K], on the streams' device
 
     def predicted(self, index: int) -> list[list[int]]:
         """The recorded next-layer predictions of the token rows that the index-th MoE layer's
@@ -228,7 +241,7 @@ def make_source(
         from moetier.bench.trace import read_trace
 
         path = spec.split(":", 1)[1]
-        return TraceRouting(read_trace(path), num_experts, top_k, path)
+        return TraceRouting(read_trace(path), num_experts, top_k, path, device)
     raise ConfigError(f"unknown routing {spec!r}; use model, uniform or trace:PATH")
 
 
