@@ -11,7 +11,7 @@
 #      2,048-token prompt at 25 %, for each entry of WINDOW_SETS (settings, "-" for none);
 #   4. the device timeline of one such prompt step (scripts/gpu_step_profile.py, uniform
 #      routing) for each entry of PROFILE_SETS (default: none and the window of 4): link busy,
-#      idle and under kernels.
+#      idle and under kernels (SKIP_PROFILE=1 skips).
 # Results under $OUT: summary.md, window-results.tar.gz, gpu_window.log.
 set -uo pipefail
 START=$SECONDS
@@ -45,7 +45,7 @@ if [ "$budget" -ge 60 ]; then
   cp "$WORK/rows/summary.md" "$WORK/rows.md" 2>/dev/null
 fi
 M=$(ls -d "$MOETIER_HOME"/synthetic/qwen3-30b-a3b-L"$L"-s0 2>/dev/null | head -n 1)
-if [ -n "$M" ]; then
+if [ -n "$M" ] && [ "${SKIP_PROFILE:-0}" != 1 ]; then
   i=0
   for s in ${PROFILE_SETS:-- transfer_window=4}; do
     i=$((i + 1))
