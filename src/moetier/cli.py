@@ -17,6 +17,7 @@ from moetier.config import (
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
+    STREAM_COPY_NOW_HELP,
     STREAM_EVICTION_HELP,
     format_bytes,
 )
@@ -66,6 +67,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help=STREAM_EVICTION_HELP,
+    )
+    p.add_argument(
+        "--stream-copy-now",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=STREAM_COPY_NOW_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument(
@@ -137,6 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefetch_ahead=args.prefetch_ahead,
         device_cache=args.device_cache,
         stream_eviction=args.stream_eviction,
+        stream_copy_now=args.stream_copy_now,
         seed=args.seed or 0,
         threads=args.threads,
         enable_prefix_caching=args.enable_prefix_caching,

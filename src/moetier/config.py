@@ -169,6 +169,10 @@ STREAM_EVICTION_HELP = (
     "order around --policy: layers finished in the step first, then the farthest ahead "
     "(default: off, --policy alone, until a GPU ship gate has timed it)"
 )
+STREAM_COPY_NOW_HELP = (
+    "a streamed step's loads of the next layer go on the CUDA copy stream at once, whole, not "
+    "chunk by chunk through the prefetch pump (default: off until a GPU ship gate has timed it)"
+)
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "
     "split between expert slots and KV blocks follows its replayed hit-rate curve"

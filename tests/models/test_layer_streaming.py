@@ -79,3 +79,19 @@ def test_stream_eviction_keeps_parity_and_loads_no_more(deep_ckpt: Path) -> None
         loads[on] = int(s["requests"] - s["device_hits"] + s["prefetches_issued"])
     assert loads[True] <= loads[False]
     assert loads == {True: 555, False: 575}
+
+
+def test_stream_copy_now_reaches_the_cache_and_changes_no_decision(deep_ckpt: Path) -> None:
+    """stream_copy_now only changes how a streamed prefetch's copies are issued (on CUDA: at
+    once, whole); the cache's decisions are the same: the tokens and the load count of
+    stream_eviction's run above."""
+    ref = hf_model(deep_ckpt)
+    want = [hf_greedy(ref, prompt) for prompt in PROMPTS]
+    llm = LLM(str(deep_ckpt), expert_budget="50%", device="cpu", dtype="float32",
+              progress=False, moe_stream_share=0.6, late_reads=False,
+              stream_eviction=True, stream_copy_now=True)  # fmt: skip
+    assert llm.engine.runner.expert_cache.stream_copy_now is True
+    _inline_reads(llm)
+    assert [moetier_greedy(llm, [prompt])[0] for prompt in PROMPTS] == want
+    s = llm.offload_stats()
+    assert int(s["requests"] - s["device_hits"] + s["prefetches_issued"]) == 555

@@ -22,6 +22,7 @@ from moetier.config import (
     KV_CACHE_DTYPE_HELP,
     KV_CACHE_DTYPES,
     ROUTING_TRACE_HELP,
+    STREAM_COPY_NOW_HELP,
     STREAM_EVICTION_HELP,
 )
 from moetier.errors import ConfigError
@@ -77,6 +78,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help=STREAM_EVICTION_HELP,
+    )
+    p.add_argument(
+        "--stream-copy-now",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=STREAM_COPY_NOW_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     add_parallel_args(p)
@@ -212,6 +219,7 @@ def _engine_args(args: argparse.Namespace) -> Any:
         prefetch_ahead=args.prefetch_ahead,
         device_cache=args.device_cache,
         stream_eviction=args.stream_eviction,
+        stream_copy_now=args.stream_copy_now,
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -43,6 +43,7 @@ class EngineArgs:
     prefetch_ahead: int = 1
     device_cache: bool = False
     stream_eviction: bool = False
+    stream_copy_now: bool = False
     seed: int = 0
     max_num_seqs: int | None = None  # None: the default, and the memory split may hold fewer
     max_num_batched_tokens: int = 4096
@@ -118,6 +119,7 @@ def build_llm(args: EngineArgs) -> Any:
         prefetch_ahead=args.prefetch_ahead,
         device_cache=args.device_cache,
         stream_eviction=args.stream_eviction,
+        stream_copy_now=args.stream_copy_now,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         progress=False,
