@@ -2,7 +2,7 @@
 # One device call running `moetier bench gate` on the GPU, from the repo root: CANDIDATE against
 # BASELINE (k=v settings) on the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes cut to LAYERS layers,
 # seeds 0 and 1 (one synthetic checkpoint per shape), 25 % expert budget, bf16, real-text
-# routing replayed (TRACE), INPUT_LEN-token prompts (64), for each batch size in BATCHES, in that order (a gate does not start
+# routing replayed (TRACE), INPUT_LEN-token prompts (64), rule 1 on METRIC (decode; prefill: TTFT), for each batch size in BATCHES, in that order (a gate does not start
 # with less than 30 s before DEADLINE). Tables under $OUT/gate, log $OUT/gpu_gate.log.
 set -uo pipefail
 START=$SECONDS
@@ -26,6 +26,6 @@ for b in $BATCHES; do
     --candidate "$CANDIDATE profile_steps=0" --name "$NAME-b$b" \
     --shapes qwen3-30b-a3b,deepseek-v2-lite --layers "$LAYERS" --seeds 0,1 --weights-seed 0 \
     --expert-budget 25% --input-len "${INPUT_LEN:-64}" --output-len 32 --batch-size "$b" \
-    --routing "trace:$TRACE" --dtype bfloat16 --out-dir "$WORK" --no-progress
+    --routing "trace:$TRACE" --metric "${METRIC:-decode}" --dtype bfloat16 --out-dir "$WORK" --no-progress
 done
 log "done"

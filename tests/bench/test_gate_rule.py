@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moetier.bench.cli import parse_kv
 from moetier.bench.gate import GateSettings, judge, side_settings
+from moetier.errors import ConfigError
 
 
 def _pair(shape: str, eb: float, ec: float, tb: float, tc: float) -> dict:
@@ -58,3 +61,26 @@ def test_on_demand_misses_stay_the_fastest_class() -> None:
     assert judge([_prefetch_pair(4.0, 2.0, 1.5, issued=0)], 0.05) == ("SHIP", [])
     # no misses left: nothing to compare
     assert judge([_prefetch_pair(4.0, 0.0, 1.5)], 0.05) == ("SHIP", [])
+
+
+def test_prefill_metric_judges_ttft() -> None:
+    """--metric prefill: rule 1 on TTFT; tokens/s is still rule 2; decode's exposed fetch no
+    longer decides."""
+
+    def pair(shape: str, fb: float, fc: float, tb: float, tc: float) -> dict:
+        p = _pair(shape, 1.0, 1.0, tb, tc)  # decode's exposed fetch unchanged
+        p["baseline"]["ttft_ms"], p["candidate"]["ttft_ms"] = fb, fc
+        return p
+
+    ok = [pair("a", 380.0, 343.0, 44.5, 44.0), pair("b", 340.0, 345.0, 40.0, 40.0)]
+    assert judge(ok, 0.05, "prefill") == ("SHIP", [])
+    decode_why = "exposed fetch not lower overall (2.000 vs 2.000 ms/token summed)"
+    assert judge(ok, 0.05)[1] == [decode_why]
+    verdict, why = judge([pair("a", 380.0, 400.0, 44.5, 44.5)], 0.05, "prefill")
+    assert verdict == "NO-SHIP"
+    assert why == [
+        "TTFT not lower overall (400.000 vs 380.000 ms summed)",
+        "a seed 0: TTFT higher beyond noise",
+    ]
+    with pytest.raises(ConfigError, match="gate metric 'ttft'"):
+        judge(ok, 0.05, "ttft")

@@ -193,6 +193,13 @@ def _add_gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--noise", type=float, default=0.05, help="tokens/s may drop by this share (0.05)"
     )
+    p.add_argument(
+        "--metric",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="rule 1 on exposed fetch per decode token (decode), or on TTFT (prefill: for a "
+        "change to how prompts are run)",
+    )
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--no-progress", action="store_true")
 
@@ -425,6 +432,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         noise=args.noise,
+        metric=args.metric,
         out_dir=args.out_dir,
         progress=not args.no_progress,
     )

@@ -4,7 +4,9 @@ Owns the verdict rule and its report; the measurements come from latency.py. Bot
 the same latency protocol on every (shape, seed) pair, alternating which side goes first. The
 verdict is SHIP only when the candidate
   1. lowers exposed fetch time per token over all pairs together (sum), and is not higher
-     than the baseline by more than the noise threshold in any pair, and
+     than the baseline by more than the noise threshold in any pair (with `metric` "prefill",
+     for a change to how prompts are run: the same on TTFT, the wait for the first token, of
+     which a prompt's exposed fetch is part), and
   2. does not lower tokens/s by more than the noise threshold in any pair, and
   3. keeps on-demand misses the fastest service class: where either side prefetched, the
      exposed fetch per on-demand miss (a device miss: prefetched keys hit at use are hits, and
@@ -45,6 +47,7 @@ class GateSettings:
     device: str = "auto"
     dtype: str = "auto"
     noise: float = 0.05
+    metric: str = "decode"  # rule 1 on exposed fetch per decode token, or "prefill": on TTFT
     out_dir: str = "bench/results"
     progress: bool = True
 
@@ -82,19 +85,31 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-").lower()[:60] or "gate"
 
 
-def judge(pairs: list[dict[str, Any]], noise: float) -> tuple[str, list[str]]:
+# rule 1's measure per metric: (row key, name, unit)
+METRICS = {
+    "decode": ("exposed_fetch_ms_per_token", "exposed fetch", "ms/token"),
+    "prefill": ("ttft_ms", "TTFT", "ms"),
+}
+
+
+def judge(
+    pairs: list[dict[str, Any]], noise: float, metric: str = "decode"
+) -> tuple[str, list[str]]:
     """SHIP or NO-SHIP, with the reasons a NO-SHIP failed (see module docstring)."""
+    if metric not in METRICS:
+        from moetier.errors import ConfigError
+
+        raise ConfigError(f"gate metric {metric!r}: use one of {', '.join(METRICS)}")
+    key, name, unit = METRICS[metric]
     reasons = []
-    base_sum = sum(p["baseline"]["exposed_fetch_ms_per_token"] for p in pairs)
-    cand_sum = sum(p["candidate"]["exposed_fetch_ms_per_token"] for p in pairs)
+    base_sum = sum(p["baseline"][key] for p in pairs)
+    cand_sum = sum(p["candidate"][key] for p in pairs)
     if not cand_sum < base_sum:
-        reasons.append(
-            f"exposed fetch not lower overall ({cand_sum:.3f} vs {base_sum:.3f} ms/token summed)"
-        )
+        reasons.append(f"{name} not lower overall ({cand_sum:.3f} vs {base_sum:.3f} {unit} summed)")
     for p in pairs:
         b, c, tag = p["baseline"], p["candidate"], f"{p['shape']} seed {p['seed']}"
-        if c["exposed_fetch_ms_per_token"] > b["exposed_fetch_ms_per_token"] * (1 + noise):
-            reasons.append(f"{tag}: exposed fetch higher beyond noise")
+        if c[key] > b[key] * (1 + noise):
+            reasons.append(f"{tag}: {name} higher beyond noise")
         if c["tokens_per_s"] < b["tokens_per_s"] * (1 - noise):
             reasons.append(f"{tag}: tokens/s lower beyond noise")
         wb, wc = miss_wait_ms(b), miss_wait_ms(c)
@@ -122,11 +137,11 @@ def gate_table(g: GateSettings, pairs: list[dict[str, Any]], verdict: str, why: 
         f"baseline: `{_kv(g.baseline)}`  candidate: `{_kv(g.candidate)}`",
         f"expert budget {g.expert_budget}, routing {g.routing}, batch {g.batch_size}, input "
         f"{g.input_len}, output {g.output_len}, device {g.device}, dtype {g.dtype}, noise "
-        f"threshold {g.noise:.0%}",
+        f"threshold {g.noise:.0%}, rule 1 on {METRICS[g.metric][1]}",
         "",
         "| shape | seed | exposed fetch ms/tok base | cand | ratio | tok/s base | cand | ratio "
-        "| TPOT ms base | cand | hit base | cand |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT ms base | cand | TTFT ms base | cand | hit base | cand |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in pairs:
         b, c = p["baseline"], p["candidate"]
@@ -135,7 +150,8 @@ def gate_table(g: GateSettings, pairs: list[dict[str, Any]], verdict: str, why: 
         lines.append(
             f"| {p['shape']} | {p['seed']} | {eb:.3f} | {ec:.3f} | {ec / eb if eb else 0:.2f} "
             f"| {tb:.1f} | {tc:.1f} | {tc / tb if tb else 0:.2f} | {b['tpot_ms']:.2f} "
-            f"| {c['tpot_ms']:.2f} | {b['device_hit_rate']:.3f} | {c['device_hit_rate']:.3f} |"
+            f"| {c['tpot_ms']:.2f} | {b['ttft_ms']:.1f} | {c['ttft_ms']:.1f} "
+            f"| {b['device_hit_rate']:.3f} | {c['device_hit_rate']:.3f} |"
         )
     lines += ["", f"verdict: **{verdict}**"]
     lines += [f"- {r}" for r in why]
@@ -171,7 +187,7 @@ def run_gate(g: GateSettings) -> tuple[str, str]:
             for side, kv in sides:
                 pair[side] = _row(run_latency(side_settings(g, kv, shape, seed)))
             pairs.append(pair)
-    verdict, why = judge(pairs, g.noise)
+    verdict, why = judge(pairs, g.noise, g.metric)
     text = gate_table(g, pairs, verdict, why)
     name = g.name or _slug(_kv(g.candidate))
     stem = Path(g.out_dir) / f"{dt.date.today().isoformat()}-gate-{name}"
