@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.weights import gguf_deepseek, gguf_gpt_oss
+from moetier.weights import gguf_deepseek, gguf_gpt_oss, gguf_olmoe
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
@@ -61,6 +61,7 @@ SUPPORTED_ARCHS = {
     "gpt-oss": "GptOssForCausalLM",
     **HYBRID_ARCHS,  # qwen35moe, qwen3next: weights/gguf_hybrid.py
     **gguf_deepseek.ARCHS,  # glm4moe, deepseek2: weights/gguf_deepseek.py
+    **gguf_olmoe.ARCHS,  # olmoe: weights/gguf_olmoe.py
 }
 
 _GLOBAL_NAMES = {
@@ -492,6 +493,8 @@ def _config(file: _GGUFFile) -> Any:
         return AutoConfig.for_model("mixtral", **_mixtral_config(file, layers))
     if arch == "gpt-oss":
         return AutoConfig.for_model("gpt_oss", **gguf_gpt_oss.config(file, layers))
+    if arch in gguf_olmoe.ARCHS:
+        return AutoConfig.for_model("olmoe", **gguf_olmoe.config(file, layers))
     if arch in HYBRID_ARCHS:
         return AutoConfig.for_model(**hybrid_config(file))
     if arch in gguf_deepseek.ARCHS:
