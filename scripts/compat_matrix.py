@@ -65,12 +65,14 @@ CPU_COLUMNS = (
             "tests.models.test_gguf",
             "tests.models.test_gguf_hybrid",
             "tests.models.test_gguf_deepseek",
+            "tests.models.test_gguf_olmoe",
         ),
         (
             "test_gguf_parity",
             "test_gpt_oss_parity",
             "test_hybrid_parity",
             "test_glm_deepseek_parity",
+            "test_olmoe_gguf_parity",
         ),
     ),
     # `moetier serve` at a 50% budget: concurrent completions, chunked prefill, preemption

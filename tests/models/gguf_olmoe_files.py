@@ -15,19 +15,21 @@ from gguf import GGMLQuantizationType as T
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.models.families import FAMILIES
-from tests.models.gguf_files import Types, encode_experts
+from tests.models.gguf_files import Types, encode_experts, write_tokenizer
 from tests.models.parity import randomize
 
 # The cross-family recipe widened to D 256 and I 256 (rows of whole K-quant blocks), two
-# layers; clip_qkv off: llama.cpp's olmoe graph clamps nothing and its converter writes no
-# clamp_kqv (OLMoE-1B-7B's config states none), so a file of a clamping model would not run
-# as transformers runs it there either.
+# layers, a rope theta other than llama.cpp's default (so `rope.freq_base` must be read).
+# clip_qkv off: llama.cpp's olmoe graph clamps nothing and its converter writes no clamp_kqv
+# (OLMoE-1B-7B's config states none), so a clamping model's file would not run as
+# transformers runs it there either.
 OLMOE_TINY: dict[str, Any] = {
     **FAMILIES["olmoe"].tiny,
     "hidden_size": 256,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
     "clip_qkv": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
 }
 OLMOE_KEYS = (  # what the converter writes (by key suffix), in its order
     "block_count",
@@ -81,18 +83,22 @@ def write_olmoe_gguf(
     dense_type: T = T.F32,
     skip: str | None = None,
     seed: int = 0,
+    tokenizer: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a tiny HF OLMoE) as llama.cpp's converter writes it: experts (gate, up,
     down) in `experts` (Q8_0 quantized from the weights; K types as random valid blocks, the
     gguf package quantizing none), other matrices but the router in `dense_type` (F32 or Q8_0,
     as llama-quantize keeps `ffn_gate_inp` and 1-D tensors F32), the rest F32; metadata key
-    `skip` left out. Return the reference state dict: the model's weights with each stored
-    tensor as gguf dequantizes the bytes written (experts in HF's fused layout)."""
+    `skip` left out; a byte-level BPE `tokenizer` under llama.cpp's pre-tokenizer name for
+    OLMoE ("olmo": GPT-2's split). Return the reference state dict: the model's weights with
+    each stored tensor as gguf dequantizes the bytes written (experts in HF's fused layout)."""
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMOE, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "olmoe")
     w.add_name("tiny-olmoe")
     _metadata(w, cfg, skip)
+    if tokenizer is not None:
+        write_tokenizer(w, tokenizer, None, "olmo")
     g = torch.Generator().manual_seed(seed)
     ref: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():

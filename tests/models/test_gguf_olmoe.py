@@ -142,3 +142,27 @@ def test_olmoe_gguf_missing_metadata_key_named(tmp_path: Path, key: str) -> None
         CheckpointError, match=rf"olmoe-tiny\.gguf: metadata key olmoe\.{re.escape(key)} is missing"
     ):
         open_gguf(path)
+
+
+def test_olmoe_gguf_tokenizer(tmp_path: Path) -> None:
+    """The tokenizer comes from the file (llama.cpp's pre-tokenizer "olmo", GPT-2's split,
+    which transformers' fallback is), though transformers' GGUF config mapping knows no olmoe:
+    text encodes as the model's tokenizer encodes it and generates transformers' tokens."""
+    from transformers import AutoTokenizer
+
+    from moetier.llm import load_tokenizer
+    from tests.models.gguf_files import greedy_params
+    from tests.server.tiny import VOCAB, save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    model = tiny_olmoe_model(num_hidden_layers=1, vocab_size=VOCAB)
+    path = tmp_path / "olmoe-tok.gguf"
+    ref = reference_model(model, write_olmoe_gguf(model, path, tokenizer=tok))
+    built = load_tokenizer(path)
+    text = "Hi there 123, <|im_end|> ok"
+    assert built is not None and built.encode(text) == tok.encode(text)
+    llm = LLM(str(path), expert_budget="100%", device="cpu", dtype="float32", progress=False)
+    out = llm.generate("Hi there 123", greedy_params(4))[0]
+    assert out.prompt_token_ids == tok.encode("Hi there 123")
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref, tok.encode("Hi there 123"), 4)
