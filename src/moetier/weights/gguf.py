@@ -20,7 +20,8 @@ DeltaNet hybrids, their config and the inverse of llama.cpp's converter on their
 weights/gguf_hybrid.py.
 glm4moe (GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
 weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
-llama.cpp's converter split (MLA's kv_b_proj) put back together.
+llama.cpp's converter split (MLA's kv_b_proj) put back together. olmoe (OLMoE-1B-7B): tensors
+renamed only, its config from the metadata in weights/gguf_olmoe.py.
 """
 
 from __future__ import annotations
