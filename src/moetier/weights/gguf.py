@@ -21,7 +21,9 @@ weights/gguf_hybrid.py.
 glm4moe (GLM-4.5/4.6) and deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2) are read through
 weights/gguf_deepseek.py: config from the metadata, names of their own, and the tensors
 llama.cpp's converter split (MLA's kv_b_proj) put back together. olmoe (OLMoE-1B-7B): tensors
-renamed only, its config from the metadata in weights/gguf_olmoe.py.
+renamed only, its config from the metadata in weights/gguf_olmoe.py. gemma4 (Gemma 4 MoE text,
+Gemma-4-26B-A4B) through weights/gguf_gemma4.py: config from the metadata, names of its own; its
+experts' gate and up fused in `blk.N.ffn_gate_up_exps`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.weights import gguf_deepseek, gguf_gpt_oss, gguf_olmoe
+from moetier.weights import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_olmoe
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
@@ -63,6 +65,7 @@ SUPPORTED_ARCHS = {
     **HYBRID_ARCHS,  # qwen35moe, qwen3next: weights/gguf_hybrid.py
     **gguf_deepseek.ARCHS,  # glm4moe, deepseek2: weights/gguf_deepseek.py
     **gguf_olmoe.ARCHS,  # olmoe: weights/gguf_olmoe.py
+    **gguf_gemma4.ARCHS,  # gemma4 (Gemma 4 MoE text): weights/gguf_gemma4.py
 }
 
 _GLOBAL_NAMES = {
@@ -247,7 +250,9 @@ class GGUFCheckpoint:
         self.file = file
         self.model_dir = file.path
         self.io = _Reader(file.path)
-        self._heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self._heads = (0, 0)  # llama's q/k heads (un-permuted); gemma4's vary per layer
+        if file.arch == "llama":
+            self._heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         self.names: dict[str, str] = {}  # HF name -> GGUF name
         for name in file.tensors:
             hf = _hf_name(name)
@@ -270,6 +275,9 @@ class GGUFCheckpoint:
                 name: Derived(parts, combine)
                 for name, (parts, combine) in gguf_deepseek.assembled(file, config).items()
             }
+        elif file.arch in gguf_gemma4.ARCHS:  # names of its own, optional scales as ones
+            self.names = gguf_gemma4.hf_names(file, int(config.num_hidden_layers))
+            self.derived = gguf_gemma4.derived(file, config)
 
     def __contains__(self, name: str) -> bool:
         return name in self.derived or name in self.names or name in self.pairs
@@ -387,6 +395,8 @@ class GGUFExpertLayout(ExpertLayout):
             shapes = [tuple(t.shape) for t in heads]
             offsets = tuple([t.offset for t in ts] for ts in per_expert)
             sizes = tuple(t.nbytes for t in heads)
+        elif f"blk.{layer}.ffn_gate_up_exps.weight" in self.file.tensors:
+            heads, shapes, offsets, sizes = self._fused_gate_up(layer)
         else:
             heads = [self._tensor(f"blk.{layer}.{part}.weight", layer) for part in _EXPERT_PARTS]
             for t in heads:
@@ -413,6 +423,36 @@ class GGUFExpertLayout(ExpertLayout):
             raise CheckpointError(str(exc)) from None
         types = tuple(t.ggml_type for t in heads)
         return _ExpertSource(offsets, sizes, codecs, (gi, gd), types)  # type: ignore[arg-type]
+
+    def _fused_gate_up(self, layer: int) -> tuple[list[_Tensor], list[Any], Any, Any]:
+        """`blk.N.ffn_gate_up_exps` [E, 2I, D] (each expert's gate rows, then its up rows, as
+        llama.cpp's converter writes HF's fused `gate_up_proj`) read as gate and up: whole rows
+        of whole blocks, so each half is a contiguous run of the expert's bytes."""
+        e = self.num_experts
+        fused = self._tensor(f"blk.{layer}.ffn_gate_up_exps.weight", layer)
+        down = self._tensor(f"blk.{layer}.ffn_down_exps.weight", layer)
+        for t in (fused, down):
+            if len(t.shape) != 3 or t.shape[0] != e:
+                raise CheckpointError(
+                    f"{self.file.path}: {t.name} has shape {list(t.shape)}; expected "
+                    f"[{e}, rows, cols] (one matrix per expert)"
+                )
+        rows, cols = fused.shape[1:]
+        if rows % 2:
+            raise CheckpointError(
+                f"{self.file.path}: {fused.name} has {rows} rows per expert, not gate and up"
+            )
+        n = fused.nbytes // e
+        half = _Tensor(fused.name, fused.ggml_type, (e, rows // 2, cols), 0, n // 2, None)
+        heads = [half, half, down]
+        shapes = [(rows // 2, cols), (rows // 2, cols), tuple(down.shape[1:])]
+        d = down.nbytes // e
+        offsets = (
+            [fused.offset + x * n for x in range(e)],
+            [fused.offset + x * n + n // 2 for x in range(e)],
+            [down.offset + x * d for x in range(e)],
+        )
+        return heads, shapes, offsets, (n // 2, n // 2, d)
 
     def _tensor(self, name: str, layer: int) -> _Tensor:
         t = self.file.tensors.get(name)
@@ -463,7 +503,11 @@ class GGUFExpertLayout(ExpertLayout):
 
 
 def _has_experts(file: _GGUFFile, layer: int) -> bool:
-    names = (f"blk.{layer}.ffn_gate_exps.weight", f"blk.{layer}.ffn_gate.0.weight")
+    names = (
+        f"blk.{layer}.ffn_gate_exps.weight",
+        f"blk.{layer}.ffn_gate.0.weight",
+        f"blk.{layer}.ffn_gate_up_exps.weight",  # gate and up fused (gemma4)
+    )
     return any(n in file.tensors for n in names)
 
 
@@ -501,6 +545,8 @@ def _config(file: _GGUFFile) -> Any:
     if arch in gguf_deepseek.ARCHS:
         model_type, kwargs = gguf_deepseek.config(file, layers)
         return AutoConfig.for_model(model_type, **kwargs)
+    if arch in gguf_gemma4.ARCHS:
+        return AutoConfig.for_model("gemma4_text", **gguf_gemma4.config(file, layers))
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
