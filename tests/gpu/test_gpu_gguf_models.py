@@ -3,18 +3,19 @@
 The tiny files of the CPU GGUF tests (tests/models/test_gguf.py, writers in
 tests/models/gguf_files.py) run on CUDA with their experts in compressed slots that the Triton
 kernels decode in registers (kernels/slot_layout.py): gpt-oss with MXFP4 experts (ggml type 39,
-transcoded into moetier's Mxfp4Codec layout) and a Qwen3-MoE Q4_K_M file (gate/up Q4_K, down
-Q6_K), each at every expert resident and at the minimum budget (top-k slots), on the slot
-kernel (CUDA's defaults: the grouped kernel above 128 pairs and for waves, decode replayed as
-CUDA graphs) and on the grouped kernel alone.
+transcoded into moetier's Mxfp4Codec layout), a Qwen3-MoE Q4_K_M file (gate/up Q4_K, down
+Q6_K) and a Gemma 4 Q4_K_M file (gate and up fused in ffn_gate_up_exps, gelu-tanh experts;
+tests/models/gguf_gemma4_files.py), each at every expert resident and at the minimum budget
+(top-k slots), on the slot kernel (CUDA's defaults: the grouped kernel above 128 pairs and for
+waves, decode replayed as CUDA graphs) and on the grouped kernel alone.
 
 References and tolerances are the CPU tests': transformers' float32 model holding gguf's
-dequantization of the bytes written (Qwen3-MoE: transformers' own GGUF load; gpt-oss: the HF
-model loaded with the writer's dequantized state), run on the CPU. float32 on CUDA: greedy
-tokens equal the reference exactly and last-prompt logits are within rtol = atol = 1e-4; as in
-tests/models/parity.py `check_parity` (test_gpu_parity.py), a token that differs is checked
-against the same transformers model on CUDA (a near-tied choice may fall the other way on
-another device for transformers too). bfloat16 (what CUDA runs by default) follows
+dequantization of the bytes written (Qwen3-MoE: transformers' own GGUF load; gpt-oss and Gemma
+4: the HF model loaded with the writer's dequantized state), run on the CPU. float32 on CUDA:
+greedy tokens equal the reference exactly and last-prompt logits are within rtol = atol = 1e-4;
+as in tests/models/parity.py `check_parity` (test_gpu_parity.py), a token that differs is
+checked against the same transformers model on CUDA (a near-tied choice may fall the other way
+on another device for transformers too). bfloat16 (what CUDA runs by default) follows
 test_gpu_parity.py `test_bf16_close_to_transformers_bf16`: logits no farther from the float32
 reference than transformers' own bfloat16 logits are (x1.5 + 0.01 of the largest logit); greedy
 agreement in bf16 is printed, not asserted (two correct bf16 paths may fork late).
@@ -51,6 +52,7 @@ from tests.models.gguf_files import (
     write_gguf,
     write_gpt_oss_gguf,
 )
+from tests.models.gguf_gemma4_files import GEMMA4_K, tiny_gemma4_model, write_gemma4_gguf
 from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
 
 pytestmark = [
@@ -62,6 +64,8 @@ pytestmark = [
 CASES: dict[str, tuple[Types, str, tuple[int, int]]] = {
     "gpt_oss-mxfp4": ((T.MXFP4,) * 3, "mxfp4", (MXFP4, MXFP4)),
     "qwen3_moe-q4_k_m": (Q4_K_M, "gguf-q4_k/gguf-q4_k/gguf-q6_k", (Q4_K, Q6_K)),
+    # Gemma 4: gate and up fused in one GGUF tensor (ffn_gate_up_exps), gelu-tanh experts
+    "gemma4-q4_k_m": (Q4_K_M, "gguf-q4_k/gguf-q4_k/gguf-q6_k", (Q4_K, Q6_K)),
 }
 PATHS: dict[str, dict[str, Any]] = {  # MoE compute path -> LLM switches
     # CUDA's defaults spelled out: the slot kernel up to 128 (token, expert) pairs (every call
@@ -87,7 +91,8 @@ class Case:
         """Top-k slots of the file's encoded experts (the CPU test's minimum), in bytes."""
         cfg = self.ref.config
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-        return f"{cfg.num_experts_per_tok * slot_bytes(self.experts, cfg.hidden_size, inter)}B"
+        top_k = getattr(cfg, "num_experts_per_tok", None) or cfg.top_k_experts  # Gemma 4's name
+        return f"{top_k * slot_bytes(self.experts, cfg.hidden_size, inter)}B"
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
             if name.startswith("gpt_oss"):
                 model = tiny_hf_model("gpt_oss")
                 ref = reference_model(model, write_gpt_oss_gguf(model, path, T.MXFP4, T.F32))
+            elif name.startswith("gemma4"):
+                model = tiny_gemma4_model(**GEMMA4_K)
+                ref = reference_model(model, write_gemma4_gguf(model, path, (T.Q4_K, T.Q6_K)))
             else:
                 write_gguf(tiny_hf_model("qwen3_moe"), path, Q4_K_M, T.F32)
                 ref = transformers_gguf(path, moe_intermediate_size=256)
