@@ -58,7 +58,7 @@ CPU_COLUMNS = (
     ),
     Column("prefetch", "tests.models.test_prefetch_parity", "test_parity_with_same_index_prefetch"),
     # GGUF files at 100% and the minimum budget (Q4_K_M, Q8_0, ... experts; gpt-oss's MXFP4;
-    # the hybrids', GLM's, DeepSeek's and Gemma 4's as llama.cpp's converter writes them)
+    # the hybrids', GLM's, DeepSeek's, Gemma 4's and Llama 4's as llama.cpp's converter writes them)
     Column(
         "GGUF file",
         (
@@ -67,6 +67,7 @@ CPU_COLUMNS = (
             "tests.models.test_gguf_deepseek",
             "tests.models.test_gguf_olmoe",
             "tests.models.test_gguf_gemma4",
+            "tests.models.test_gguf_llama4",
         ),
         (
             "test_gguf_parity",
@@ -75,6 +76,7 @@ CPU_COLUMNS = (
             "test_glm_deepseek_parity",
             "test_olmoe_gguf_parity",
             "test_gemma4_gguf_parity",
+            "test_llama4_gguf_parity",
         ),
     ),
     # `moetier serve` at a 50% budget: concurrent completions, chunked prefill, preemption

@@ -69,13 +69,15 @@ def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -
             arch = gguf_architecture(path)
             if arch in gguf_deepseek.ARCHS:  # glm4moe, deepseek2: as gpt-oss, once checked
                 gguf_deepseek.check_tokenizer(path)
-            if arch in ("gpt-oss", "qwen3next", "olmoe", "gemma4") or arch in gguf_deepseek.ARCHS:
+            if arch in ("gpt-oss", "qwen3next", "olmoe", "gemma4", "llama4") or (
+                arch in gguf_deepseek.ARCHS
+            ):
                 # AutoTokenizer first reads the file's config through transformers' GGUF
                 # mapping, which fails on gpt-oss's rope.scaling keys and gemma4's per-layer
-                # KV heads and knows no qwen3next, olmoe, glm4moe or deepseek2; the tokenizers
-                # backend builds from the file alone
-                # (vocabulary, merges and llama.cpp's pre-tokenizer name: "qwen2" for
-                # Qwen3-Next).
+                # KV heads and knows no qwen3next, olmoe, glm4moe, deepseek2 or llama4; the
+                # tokenizers backend builds from the file alone (vocabulary, merges and
+                # llama.cpp's pre-tokenizer name: "qwen2" for Qwen3-Next, "llama4" for Llama 4,
+                # which transformers splits with GPT-4o's pattern as llama.cpp does).
                 from transformers import PreTrainedTokenizerFast
 
                 return PreTrainedTokenizerFast.from_pretrained(

@@ -23,7 +23,10 @@ weights/gguf_deepseek.py: config from the metadata, names of their own, and the 
 llama.cpp's converter split (MLA's kv_b_proj) put back together. olmoe (OLMoE-1B-7B): tensors
 renamed only, its config from the metadata in weights/gguf_olmoe.py. gemma4 (Gemma 4 MoE text,
 Gemma-4-26B-A4B) through weights/gguf_gemma4.py: config from the metadata, names of its own; its
-experts' gate and up fused in `blk.N.ffn_gate_up_exps`.
+experts' gate and up fused in `blk.N.ffn_gate_up_exps`. llama4 (Llama 4 text, Llama-4-Scout /
+Maverick) through weights/gguf_llama4.py: config from the metadata and what llama.cpp fixes
+(NoPE and chunked layers, temperature tuning), llama3 rope read back from `rope_freqs`, names
+of its own; q/k rows are read as stored (not permuted for llama4).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import numpy as np
 import torch
 
 from moetier.errors import CheckpointError
-from moetier.weights import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_olmoe
+from moetier.weights import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_olmoe
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
@@ -66,6 +69,7 @@ SUPPORTED_ARCHS = {
     **gguf_deepseek.ARCHS,  # glm4moe, deepseek2: weights/gguf_deepseek.py
     **gguf_olmoe.ARCHS,  # olmoe: weights/gguf_olmoe.py
     **gguf_gemma4.ARCHS,  # gemma4 (Gemma 4 MoE text): weights/gguf_gemma4.py
+    **gguf_llama4.ARCHS,  # llama4 (Llama 4 text): weights/gguf_llama4.py
 }
 
 _GLOBAL_NAMES = {
@@ -278,6 +282,8 @@ class GGUFCheckpoint:
         elif file.arch in gguf_gemma4.ARCHS:  # names of its own, optional scales as ones
             self.names = gguf_gemma4.hf_names(file, int(config.num_hidden_layers))
             self.derived = gguf_gemma4.derived(file, config)
+        elif file.arch in gguf_llama4.ARCHS:  # names of its own (feed_forward, router)
+            self.names = gguf_llama4.hf_names(file, int(config.num_hidden_layers))
 
     def __contains__(self, name: str) -> bool:
         return name in self.derived or name in self.names or name in self.pairs
@@ -547,6 +553,8 @@ def _config(file: _GGUFFile) -> Any:
         return AutoConfig.for_model(model_type, **kwargs)
     if arch in gguf_gemma4.ARCHS:
         return AutoConfig.for_model("gemma4_text", **gguf_gemma4.config(file, layers))
+    if arch in gguf_llama4.ARCHS:
+        return AutoConfig.for_model("llama4_text", **gguf_llama4.config(file, layers))
     try:
         config = AutoConfig.from_pretrained(str(file.path.parent), gguf_file=file.path.name)
     except (ValueError, KeyError, OSError) as exc:
