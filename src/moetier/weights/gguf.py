@@ -47,6 +47,7 @@ from moetier.weights import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama
 from moetier.weights.experts import ExpertLayout
 from moetier.weights.formats import ExpertFormat, ExpertPacking, ExpertShape, MatrixCodec
 from moetier.weights.gguf_hybrid import HYBRID_ARCHS, Derived, hybrid_config, hybrid_tensors
+from moetier.weights.gguf_names import GLOBAL_NAMES
 from moetier.weights.gguf_quants import GGUF_CODECS, GGUF_TRANSCODED, codec_for, ggml_type_name
 
 __all__ = [
@@ -72,11 +73,6 @@ SUPPORTED_ARCHS = {
     **gguf_llama4.ARCHS,  # llama4 (Llama 4 text): weights/gguf_llama4.py
 }
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # blk.N.<gguf leaf> -> model.layers.N.<HF leaf> (.weight or .bias follows both)
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -344,8 +340,8 @@ class GGUFCheckpoint:
 
 
 def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
     if m is not None and f"{m.group(2)}.{m.group(3)}" in _BLOCK_TENSORS:
         return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[f'{m.group(2)}.{m.group(3)}']}"

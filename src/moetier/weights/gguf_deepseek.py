@@ -31,7 +31,6 @@ What the converter does to these models, inverted here:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moetier.errors import CheckpointError
+from moetier.weights.gguf_names import block_names
 
 if TYPE_CHECKING:
     from moetier.weights.gguf import _GGUFFile
@@ -87,32 +87,13 @@ _BLOCKS = {
         "ffn_norm": "post_attention_layernorm",
     },
 }
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 
 
 def hf_names(file: _GGUFFile, layers: int) -> dict[str, str]:
     """HF name -> GGUF name of every tensor of the file's `layers` decoder layers the HF model
     holds as stored (the NextN block past them, and `attn_k_b`/`attn_v_b`, left out)."""
-    table = _BLOCKS[file.arch]
-    out: dict[str, str] = {}
-    for name in file.tensors:
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = name
-            continue
-        m = _BLOCK.match(name)
-        if m is None or int(m.group(1)) >= layers:
-            continue
-        layer, leaf, suffix = int(m.group(1)), m.group(2), m.group(3)
-        if leaf == "exp_probs_b" and suffix == "bias":
-            out[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = name
-        elif leaf in table:
-            out[f"model.layers.{layer}.{table[leaf]}.{suffix}"] = name
-    return out
+    table = {**_BLOCKS[file.arch], "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+    return block_names(file, layers, table)
 
 
 Combine = Callable[..., torch.Tensor]

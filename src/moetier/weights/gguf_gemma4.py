@@ -40,7 +40,6 @@ family refuses them (Gemma 4 E2B/E4B; no MoE checkpoint uses them).
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,17 +47,13 @@ import torch
 
 from moetier.errors import CheckpointError
 from moetier.weights.gguf_hybrid import Derived
+from moetier.weights.gguf_names import block_names
 
 if TYPE_CHECKING:
     from moetier.weights.gguf import _GGUFFile
 
 ARCHS = {"gemma4": "Gemma4ForCausalLM"}
 
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # blk.N.<gguf leaf>.<suffix> -> model.layers.N.<HF name>
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -82,7 +77,6 @@ _BLOCK_NAMES = {
     "ffn_down_exps.scale": "router.per_expert_scale",
     "layer_output_scale.weight": "layer_scalar",
 }
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+\.(?:weight|scale))$")
 # HF tensors a file may leave out (llama.cpp reads them as optional): ones, as llama.cpp computes
 _OPTIONAL_ONES = {
     "layer_output_scale.weight": "layer_scalar",
@@ -92,15 +86,7 @@ _OPTIONAL_ONES = {
 
 def hf_names(file: _GGUFFile, layers: int) -> dict[str, str]:
     """HF name -> GGUF name of every tensor the HF model holds as stored."""
-    out: dict[str, str] = {}
-    for name in file.tensors:
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = name
-            continue
-        m = _BLOCK.match(name)
-        if m is not None and int(m.group(1)) < layers and m.group(2) in _BLOCK_NAMES:
-            out[f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"] = name
-    return out
+    return block_names(file, layers, _BLOCK_NAMES)
 
 
 def derived(file: _GGUFFile, config: Any) -> dict[str, Derived]:

@@ -39,12 +39,12 @@ converter's mark of a model whose layers are all full attention) turns chunking 
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moetier.errors import CheckpointError
+from moetier.weights.gguf_names import block_names
 
 if TYPE_CHECKING:
     from moetier.weights.gguf import _GGUFFile
@@ -58,11 +58,6 @@ TEMP_FLOOR_SCALE = 8192
 TEMP_SCALE = 0.1
 MAVERICK_EXPERTS = 128  # llama.cpp: use_kq_norm = type != LLM_TYPE_17B_128E
 
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # blk.N.<gguf leaf> -> model.layers.N.<HF leaf> (.weight or .bias follows both)
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -79,21 +74,12 @@ _BLOCK_NAMES = {
     "ffn_up": "feed_forward.up_proj",
     "ffn_down": "feed_forward.down_proj",
 }
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
 def hf_names(file: _GGUFFile, layers: int) -> dict[str, str]:
     """HF name -> GGUF name of every non-expert tensor the HF model holds."""
-    out: dict[str, str] = {}
-    for name in file.tensors:
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = name
-            continue
-        m = _BLOCK.match(name)
-        if m is not None and int(m.group(1)) < layers and m.group(2) in _BLOCK_NAMES:
-            out[f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"] = name
-    return out
+    return block_names(file, layers, _BLOCK_NAMES)
 
 
 def _llama3_factors(
