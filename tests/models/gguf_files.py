@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from moetier.weights.gguf_quants import GGUF_CODECS, GGUFCodec, random_blocks
 from moetier.weights.mxfp4 import quantize as mxfp4_quantize
 from tests.models.families import FAMILIES
-from tests.models.parity import randomize
+from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy, randomize
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
 ARCH_ENUM = {
@@ -483,3 +483,23 @@ def greedy_params(n: int) -> Any:
     from moetier import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def check_file_parity(path: Path, ref: Any, budget: str, top_k: int, label: str) -> None:
+    """A GGUF file on the CPU at `budget` (a byte count: the minimum, top-k slots) keeps its
+    experts compressed, and its greedy tokens and last logits equal `ref`'s (transformers on the
+    weights as written)."""
+    from moetier import LLM
+
+    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
+    cache = llm.engine.runner.expert_cache
+    assert cache.packing.compressed
+    if budget.endswith("B"):
+        assert llm.engine.runner.tier_plan.device_slots == top_k
+    got = moetier_greedy(llm, PROMPTS, NEW)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy(ref, prompt, NEW), f"{label} {budget}: prompt {prompt}"
+    torch.testing.assert_close(
+        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
+    )
+    cache.check_integrity()

@@ -18,12 +18,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moetier import LLM
 from moetier.errors import CheckpointError
 from moetier.weights.gguf import open_gguf
-from tests.models.gguf_files import NEW, reference_model, slot_bytes
+from tests.models.gguf_files import check_file_parity, reference_model, slot_bytes
 from tests.models.gguf_gemma4_files import GEMMA4_K, tiny_gemma4_model, write_gemma4_gguf
-from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
 
 # name -> (experts' types: fused gate_up, down; non-expert matrices' type; model overrides)
 # Q8_0 everywhere at D 64 / I 32; Q4_K_M's (gate_up Q4_K, down Q6_K) at D = I = 256, F32 rest
@@ -61,18 +59,7 @@ def test_gemma4_gguf_parity(gemma4_files: Any, name: str, budget: str) -> None:
     if budget == "min":
         d, i = original.config.hidden_size, original.config.moe_intermediate_size
         budget = f"{TOP_K * slot_bytes((gate_up, gate_up, down), d, i)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.compressed
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
+    check_file_parity(path, ref, budget, TOP_K, name)
 
 
 def _check_config(config: Any, want: Any) -> None:

@@ -25,13 +25,13 @@ from moetier import LLM
 from moetier.errors import CheckpointError
 from moetier.layers.rotary import RotaryEmbedding
 from moetier.weights.gguf import open_gguf
-from tests.models.gguf_files import NEW, Q4_K_M, reference_model, slot_bytes
+from tests.models.gguf_files import Q4_K_M, check_file_parity, reference_model, slot_bytes
 from tests.models.gguf_llama4_files import (
     LLAMA4_K,
     tiny_llama4_model,
     write_llama4_gguf,
 )
-from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
+from tests.models.parity import hf_greedy
 
 # name -> (expert types gate, up, down; non-expert matrices' type; model overrides)
 # Q8_0 everywhere at D 64 / I 32; Q4_K_M's experts at D = I = 256 with F32 non-experts
@@ -69,18 +69,7 @@ def test_llama4_gguf_parity(llama4_files: Any, name: str, budget: str) -> None:
     if budget == "min":
         d, i = original.config.hidden_size, original.config.intermediate_size
         budget = f"{TOP_K * slot_bytes(experts, d, i)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.compressed
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
+    check_file_parity(path, ref, budget, TOP_K, name)
 
 
 def _inv_freq(config: Any) -> torch.Tensor:

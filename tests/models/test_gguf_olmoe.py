@@ -20,14 +20,20 @@ from gguf import GGMLQuantizationType as T
 from moetier import LLM
 from moetier.errors import CheckpointError
 from moetier.weights.gguf import open_gguf
-from tests.models.gguf_files import NEW, Q4_K_M, Types, reference_model, slot_bytes
+from tests.models.gguf_files import (
+    Q4_K_M,
+    Types,
+    check_file_parity,
+    reference_model,
+    slot_bytes,
+)
 from tests.models.gguf_olmoe_files import (
     OLMOE_RMS_EPS,
     OLMOE_TINY,
     tiny_olmoe_model,
     write_olmoe_gguf,
 )
-from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
+from tests.models.parity import hf_greedy
 
 # name -> (expert types, non-expert matrices' type): Q8_0 throughout; Q4_K_M's experts
 # (down in Q6_K) with F32 non-experts, which the read-back test compares bit for bit
@@ -69,18 +75,7 @@ def test_olmoe_gguf_parity(files: Any, name: str, budget: str) -> None:
     experts, _ = CASES[name]
     if budget == "min":
         budget = f"{TOP_K * slot_bytes(experts, OLMOE_D, OLMOE_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.compressed
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
+    check_file_parity(path, ref, budget, TOP_K, name)
 
 
 def test_olmoe_gguf_config_and_tensors(files: Any) -> None:
