@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -305,3 +306,22 @@ def test_set_may_not_name_a_budget() -> None:
         latency_llm_kwargs("max_num_seqs=4 gpu_memory=20GiB")
     with pytest.raises(ConfigError, match="give --expert-budget 25%, not --set expert_budget=25%"):
         latency_llm_kwargs("expert_budget=25%")
+
+
+def test_set_may_name_the_runs_own_flags() -> None:
+    """`--set policy=X` is `--policy X` (it used to reach LLM twice: a TypeError); a flag given
+    with another value is an error naming both."""
+    from moetier.bench.cli import latency_settings
+    from moetier.cli import build_parser
+    from moetier.errors import ConfigError
+
+    def settings(*argv: str) -> Any:
+        return latency_settings(build_parser().parse_args(["bench", "latency", *argv]))
+
+    s = settings("--set", "policy=activation transfer_window=4")
+    assert (s.policy, s.llm_kwargs) == ("activation", {"transfer_window": 4})
+    s = settings("--policy", "activation", "--set", "policy=activation seed=3 dtype=float32")
+    assert (s.policy, s.seed, s.dtype, s.llm_kwargs) == ("activation", 3, "float32", {})
+    assert settings("--policy", "layer-lru").policy == "layer-lru"
+    with pytest.raises(ConfigError, match="--policy layer-lru and --set policy=lru disagree"):
+        settings("--policy", "layer-lru", "--set", "policy=lru")

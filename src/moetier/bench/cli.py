@@ -305,9 +305,32 @@ def latency_llm_kwargs(text: str) -> dict[str, Any]:
     return kwargs
 
 
+# LLM arguments that bench latency passes from its own flags: `--set` may name them instead
+# (`--set policy=activation` is `--policy activation`); a flag given as well must agree.
+_RUN_FLAGS = {"policy": "lru", "host_budget": None, "device": "auto", "dtype": "auto", "seed": 0}
+
+
+def run_flags_from_set(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Move the run's own LLM arguments out of the --set `kwargs` into `args` (in place) and
+    return the rest; a flag given with another value than --set's is an error."""
+    from moetier.errors import ConfigError
+
+    rest = dict(kwargs)
+    for key, default in _RUN_FLAGS.items():
+        if key not in rest:
+            continue
+        value, given = rest.pop(key), getattr(args, key)
+        if given != default and given != value:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {given} and --set {key}={value} disagree: give one")
+        setattr(args, key, value)
+    return rest
+
+
 def latency_settings(args: argparse.Namespace) -> Any:
     from moetier.bench.latency import LatencySettings
 
+    set_kwargs = run_flags_from_set(args, latency_llm_kwargs(args.set))
     return LatencySettings(
         model=args.model,
         synthetic=args.synthetic,
@@ -332,9 +355,7 @@ def latency_settings(args: argparse.Namespace) -> Any:
         accelerate_output_len=args.accelerate_output_len,
         save_trace=args.save_trace,
         llm_kwargs={
-            **_with_kv_dtype(
-                _with_prefetch(latency_llm_kwargs(args.set), args.prefetch), args.kv_cache_dtype
-            ),
+            **_with_kv_dtype(_with_prefetch(set_kwargs, args.prefetch), args.kv_cache_dtype),
             **parallel_kwargs(args),
         },
         progress=not args.no_progress,
