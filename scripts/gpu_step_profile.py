@@ -3,13 +3,16 @@ PROMPTS and a decode step at batch BATCH, each profiled with torch.profiler (CPU
 top operators by self CPU time and kernels by device time. Prints tables; no files.
 
     python3 scripts/gpu_step_profile.py MODEL_DIR [--prompts 64,2048] [--batch 64] \
-        [--routing uniform] [--budget 100%] [--set "transfer_window=4 stream_eviction=true"]
+        [--routing uniform] [--budget 100%] [--set "transfer_window=4 stream_eviction=true"] \
+        [--decode-prompt 2048 --decode-steps 8]
 
 --routing uniform replaces the random-weight routers' choice with the bench's seeded uniform
 draws (on the device), as `bench latency --routing uniform` does; --batch 0 skips the decode
-step. Each profiled step also gets its device timeline: host->device copies and kernels as
-unions of intervals, their overlap, and how long the link sat idle between its first and last
-copy (with experts offloaded, a prompt step is bound by the link: idle link time is lost time).
+step; --decode-prompt sets the prompt length before it (64) and --decode-steps profiles that
+many steps together (1). Each profiled step also gets its device timeline: host->device copies
+and kernels as unions of intervals, their overlap, and how long the link sat idle between its
+first and last copy (with experts offloaded, a prompt step is bound by the link: idle link time
+is lost time).
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def main() -> None:
     ap.add_argument("--routing", default="model", choices=["model", "uniform"])
     ap.add_argument("--budget", default="100%")
     ap.add_argument("--set", default="", help='more LLM(...) settings: "key=value key=value"')
+    ap.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens before decode")
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode steps profiled together")
     args = ap.parse_args()
     llm = LLM(
         args.model,
@@ -148,8 +153,10 @@ def main() -> None:
     b = args.batch
     if b == 0:
         return
+    n, k = args.decode_prompt, args.decode_steps
+    params = SamplingParams(max_tokens=k + 3, temperature=1.0, seed=0, ignore_eos=True)
     for i in range(b):
-        eng.add_request([(11 * i + j) % 30000 + 1 for j in range(64)], params)
+        eng.add_request([(11 * i + j) % 30000 + 1 for j in range(n)], params)
     eng.step()  # the prompts
     eng.step()  # first decode step: captures its graph
     torch.cuda.synchronize()
@@ -157,12 +164,16 @@ def main() -> None:
     eng.step()
     torch.cuda.synchronize()
     print(
-        f"\n## decode batch {b}: step {1e3 * (time.perf_counter() - t0):.1f} ms, "
+        f"\n## decode batch {b} after {n}-token prompts: step "
+        f"{1e3 * (time.perf_counter() - t0):.1f} ms, "
         f"graph replays {eng.runner.graphs.replays if eng.runner.graphs else 0}"
     )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.step()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            eng.step()
         torch.cuda.synchronize()
+    print(f"{k} decode steps profiled: {1e3 * (time.perf_counter() - t0) / k:.1f} ms a step")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
