@@ -7,7 +7,8 @@ top operators by self CPU time and kernels by device time. Prints tables; no fil
         [--decode-prompt 2048 --decode-steps 8]
 
 --routing uniform replaces the random-weight routers' choice with the bench's seeded uniform
-draws (on the device), as `bench latency --routing uniform` does; --batch 0 skips the decode
+draws (on the device), as `bench latency --routing uniform` does (trace:PATH replays a routing
+trace, as there); --batch 0 skips the decode
 step; --decode-prompt sets the prompt length before it (64) and --decode-steps profiles that
 many steps together (1). Each profiled step also gets its device timeline: host->device copies
 and kernels as unions of intervals, their overlap, and how long the link sat idle between its
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--prompts", default="64,2048")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--routing", default="model", choices=["model", "uniform"])
+    ap.add_argument("--routing", default="model", help="model, uniform or trace:PATH")
     ap.add_argument("--budget", default="100%")
     ap.add_argument("--set", default="", help='more LLM(...) settings: "key=value key=value"')
     ap.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens before decode")
@@ -112,11 +113,12 @@ def main() -> None:
         **_settings(args.set),  # type: ignore[arg-type]
     )
     eng = llm.engine
-    if args.routing == "uniform":
-        from moetier.bench.routing_override import UniformRouting, install
+    if args.routing != "model":
+        from moetier.bench.routing_override import install, make_source
 
         runner = eng.runner
-        source = UniformRouting(runner.num_experts, runner.top_k, 0, "cuda")
+        source = make_source(args.routing, runner.num_experts, runner.top_k, 0, "cuda")
+        assert source is not None
         install(runner.model.moe_blocks(), source)
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
 
