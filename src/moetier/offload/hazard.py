@@ -28,7 +28,8 @@ The victim is the resident key outside `exclude` with the lowest score; ties go 
 (probability, last use, expert) within a layer and the lower layer across layers. Each layer
 keeps its keys sorted by probability from its last call (scores change only then, and the
 distance term is the same for all keys of a layer); a heap of layers keyed by their first
-resident key's score, rebuilt per call, finds the victim in O(log layers) amortized.
+resident key's score, rebuilt at a call's first eviction, finds the victim in O(log layers)
+amortized.
 
 A key inserted outside its layer's call (a prefetch) counts as certain until that call.
 Request ids come with `begin_call(..., requests=, routing=)` (`wants_routing`); without them
@@ -132,6 +133,7 @@ class HazardPolicy(Policy):
         self._layers: dict[int, _Layer] = {}
         self._div: dict[int, float] = {}  # layer -> calls until its next call + gap x layers
         self._heap: list[tuple[float, int]] = []  # (lower bound of a layer's best score, layer)
+        self._stale = False  # _div and _heap predate the current call
         self._tokens: dict[int, dict[Any, int]] = {}  # layer -> request -> tokens seen
 
     # hooks
@@ -174,11 +176,7 @@ class HazardPolicy(Policy):
         seen = tokens[req] = tokens.get(req, 0) + ntok
         self._record(lay, uses, req, ntok > 1)
         self._score(lay, uses, req, seen)
-        n = len(self._pos)
-        cur = self._pos[layer]
-        g = self.gap * n
-        self._div = {la: ((p - cur) % n or n) + g for la, p in self._pos.items()}
-        self._rebuild_heap()
+        self._stale = True  # distances and the layer heap: rebuilt when first needed
 
     def insert(self, key: Any) -> None:
         layer, e = key[0], key[1]
@@ -197,7 +195,8 @@ class HazardPolicy(Policy):
         lay.cell[e] = -1
         lay.p[e] = 1.0
         lay.order.append(e)
-        heapq.heappush(self._heap, (-1.0, layer))  # a stale bound, revalidated in victim
+        if not self._stale:
+            heapq.heappush(self._heap, (-1.0, layer))  # a stale bound, revalidated in victim
 
     def touch(self, key: Any) -> None:
         """Uses are counted from the call's routing in `begin_call`."""
@@ -208,6 +207,8 @@ class HazardPolicy(Policy):
         del lay.keys[key[1]]
 
     def victim(self, exclude: set | frozenset = frozenset()) -> Any:
+        if self._stale:
+            self._rebuild_heap()
         heap = self._heap
         best: tuple[float, int, Any] | None = None
         held: list[tuple[float, int]] = []
@@ -238,6 +239,8 @@ class HazardPolicy(Policy):
 
     def order(self) -> list[Any]:
         """Resident keys in eviction order as of now (next victim first)."""
+        if self._stale:
+            self._rebuild_heap()
         ranked = []
         for la, lay in self._layers.items():
             div = self._div.get(la, 1.0)
@@ -306,8 +309,14 @@ class HazardPolicy(Policy):
         lay.pending = keys - lay.res
 
     def _rebuild_heap(self) -> None:
-        """One entry per layer with keys: its first key's score (a lower bound for any
-        exclude; the distances changed with this call)."""
+        """The distances as of the current call, and one heap entry per layer with keys: its
+        first key's score (a lower bound for any exclude). Once per call, at its first victim
+        (a call with no miss skips it)."""
+        n = len(self._pos)
+        cur = self._pos[self._layer] if self._layer is not None else 0
+        g = self.gap * n
+        self._div = {la: ((p - cur) % n or n) + g for la, p in self._pos.items()}
+        self._stale = False
         heap = []
         for la, lay in self._layers.items():
             e = lay.first()
