@@ -57,7 +57,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, step-lru)",
+        help=(
+            "expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, "
+            "step-lru, hazard)"
+        ),
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=int, default=1, help="MoE layers ahead to prefetch")

@@ -167,7 +167,7 @@ def test_every_policy_victim_is_resident_not_excluded_and_first_in_order(name: s
 
 
 def test_unknown_policy_lists_choices() -> None:
-    names = "activation, layer-lru, least-stale, lfru, lfu, lru, step-lru"
+    names = "activation, hazard, layer-lru, least-stale, lfru, lfu, lru, step-lru"
     with pytest.raises(ConfigError, match=names):
         make_policy("belady")
 

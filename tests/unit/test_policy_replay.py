@@ -52,6 +52,9 @@ def test_pool_smaller_than_a_step_lru_thrashes_layer_aware_policies_match_belady
         "layer-lru": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "least-stale": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "lfru": (3, [(1, 0), (2, 0), (1, 0), (2, 0), (1, 0), (2, 0), (1, 0)]),
+        # learned nothing yet: every key at the prior, so the layer distance decides, as
+        # least-stale's does (Belady's choices here)
+        "hazard": (5, [(1, 0), (0, 0), (2, 0), (1, 0), (0, 0)]),
         "lfu": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
         "lru": (0, [(0, 0), (1, 0), (2, 0)] * 3 + [(0, 0)]),
         # the step's next-use order: the layer just finished first (Belady's choices here)
@@ -69,6 +72,7 @@ def test_single_layer_sequence_exact_hits() -> None:
     # activation learns that the reused key comes back and reaches Belady's 5
     assert hits == {
         "activation": 5,
+        "hazard": 4,  # learns from 10 lookups only: one above LRU, one below Belady
         "layer-lru": 3,
         "least-stale": 3,
         "lfru": 4,

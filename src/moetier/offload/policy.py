@@ -21,7 +21,9 @@ working set, and its hit rate falls to 0 there.
 probabilities from recency, frequency and per-request activation matrices) lives in
 `offload/activation.py` with the matrices it shares with the `activation` predictor; `step-lru`
 (victims in a streamed step's next-use order, always on) lives in `offload/step_aware.py`, with
-the wrapper that `stream_eviction` puts around the configured policy for streamed steps only.
+the wrapper that `stream_eviction` puts around the configured policy for streamed steps only;
+`hazard` (a reuse-probability table learned online over recency, decayed frequency and the
+request's share, no numpy) lives in `offload/hazard.py`.
 All build on `Policy`, so the registry imports them when asked for.
 """
 
@@ -389,6 +391,13 @@ def _step_lru() -> Policy:
     return StepAwarePolicy(LRUPolicy(), always=True)
 
 
+def _hazard() -> Policy:
+    # offload/hazard.py builds on this module (Policy), as layer_lru does.
+    from moetier.offload.hazard import HazardPolicy
+
+    return HazardPolicy()
+
+
 def _activation() -> Policy:
     # offload/activation.py builds on this module (Policy), so it is imported when asked for.
     from moetier.offload.activation import ActivationPolicy
@@ -404,6 +413,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "least-stale": LeastStalePolicy,
     "activation": _activation,
     "step-lru": _step_lru,
+    "hazard": _hazard,
 }
 
 

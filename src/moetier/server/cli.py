@@ -67,7 +67,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="lru",
-        help="expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, step-lru)",
+        help=(
+            "expert-cache policy (lru, lfu, lfru, least-stale, layer-lru, activation, "
+            "step-lru, hazard)"
+        ),
     )
     p.add_argument("--prefetch", default=None, help=PREFETCH_HELP)
     p.add_argument("--prefetch-ahead", type=_positive, default=1,
