@@ -16,6 +16,10 @@ from moetier.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES
 from moetier.parallel.args import add_parallel_args, parallel_kwargs
 from moetier.threads import threads_arg
 
+# LLM arguments that bench latency passes from its own flags: `--set` may name them instead
+# (`--set policy=activation` is `--policy activation`); a flag given as well must agree.
+_RUN_FLAGS = {"policy": "lru", "host_budget": None, "device": "auto", "dtype": "auto", "seed": 0}
+
 
 def parse_kv(text: str) -> dict[str, Any]:
     """ "policy=lfu expert_budget=25% moe_grouped_kernel=false" -> dict (ints parsed, none=None)."""
@@ -119,12 +123,14 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         "share like 90%%) is split between expert slots and KV blocks (README, 'One memory "
         "budget'); --kv-cache-dtype and --set max_model_len=... max_num_seqs=... feed the split",
     )
-    p.add_argument("--host-budget", default=None)
+    p.add_argument("--host-budget", default=_RUN_FLAGS["host_budget"])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0, help="prompts, sampling, uniform routing")
+    p.add_argument(
+        "--seed", type=int, default=_RUN_FLAGS["seed"], help="prompts, sampling, uniform routing"
+    )
     p.add_argument(
         "--weights-seed", type=int, default=None, help="synthetic weights (default: --seed)"
     )
@@ -134,15 +140,15 @@ def _add_latency_args(p: argparse.ArgumentParser) -> None:
         default="model",
         help="model (the routers), uniform (seeded top-k draws) or trace:PATH (replay)",
     )
-    p.add_argument("--policy", default="lru")
+    p.add_argument("--policy", default=_RUN_FLAGS["policy"])
     p.add_argument(
         "--prefetch",
         default=None,
         help="prefetch predictor (default: off); trace: the next-layer predictions recorded in "
         "the version 2 trace of --routing trace:FILE",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=_RUN_FLAGS["device"])
+    p.add_argument("--dtype", default=_RUN_FLAGS["dtype"])
     p.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_DTYPE_HELP
     )
@@ -303,11 +309,6 @@ def latency_llm_kwargs(text: str) -> dict[str, Any]:
                 "included)"
             )
     return kwargs
-
-
-# LLM arguments that bench latency passes from its own flags: `--set` may name them instead
-# (`--set policy=activation` is `--policy activation`); a flag given as well must agree.
-_RUN_FLAGS = {"policy": "lru", "host_budget": None, "device": "auto", "dtype": "auto", "seed": 0}
 
 
 def run_flags_from_set(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
