@@ -485,15 +485,18 @@ def greedy_params(n: int) -> Any:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def check_file_parity(path: Path, ref: Any, budget: str, top_k: int, label: str) -> None:
+def check_file_parity(
+    path: Path, ref: Any, budget: str, top_k: int, label: str, packing: str | None = None
+) -> None:
     """A GGUF file on the CPU at `budget` (a byte count: the minimum, top-k slots) keeps its
-    experts compressed, and its greedy tokens and last logits equal `ref`'s (transformers on the
-    weights as written)."""
+    experts compressed (in the `packing` named, when given), and its greedy tokens and last
+    logits equal `ref`'s (transformers on the weights as written)."""
     from moetier import LLM
 
     llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
     cache = llm.engine.runner.expert_cache
     assert cache.packing.compressed
+    assert packing is None or cache.packing.name == packing, cache.packing.name
     if budget.endswith("B"):
         assert llm.engine.runner.tier_plan.device_slots == top_k
     got = moetier_greedy(llm, PROMPTS, NEW)

@@ -32,6 +32,7 @@ from tests.models.gguf_files import (
     NEW,
     Q4_K_M,
     Types,
+    check_file_parity,
     greedy_params,
     reference_model,
     slot_bytes,
@@ -368,18 +369,9 @@ def test_gpt_oss_parity(gpt_oss_files: Any, name: str, budget: str) -> None:
     if budget == "min":
         experts = (GPT_OSS_CASES[name][0],) * 3
         budget = f"{GPT_OSS_TOP_K * slot_bytes(experts, GPT_OSS_D, GPT_OSS_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.name == ("mxfp4" if "mxfp4" in name else "gguf-q8_0")
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == GPT_OSS_TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
+    check_file_parity(
+        path, ref, budget, GPT_OSS_TOP_K, name, packing="mxfp4" if "mxfp4" in name else "gguf-q8_0"
     )
-    cache.check_integrity()
 
 
 def test_gpt_oss_reference_agrees_with_transformers(tmp_path: Path) -> None:

@@ -18,8 +18,14 @@ from moetier import LLM
 from moetier.errors import CheckpointError, ConfigError
 from moetier.weights.gguf import open_gguf
 from tests.models.gguf_deepseek_files import write_deepseek2_gguf, write_glm4moe_gguf
-from tests.models.gguf_files import NEW, greedy_params, reference_model, slot_bytes, tiny_hf_model
-from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
+from tests.models.gguf_files import (
+    check_file_parity,
+    greedy_params,
+    reference_model,
+    slot_bytes,
+    tiny_hf_model,
+)
+from tests.models.parity import PROMPTS, hf_greedy, moetier_greedy
 
 # GLM-4.5 (glm4moe) and DeepSeek-V2/V3 (deepseek2), which transformers' GGUF load cannot read:
 # the HF model holding gguf's dequantization of the bytes written, as for gpt-oss. name ->
@@ -67,18 +73,7 @@ def test_glm_deepseek_parity(ds_files: Any, name: str, budget: str) -> None:
     top_k = DS_TOP_K[DS_CASES[name][0]]
     if budget == "min":
         budget = f"{top_k * slot_bytes((T.Q8_0,) * 3, DS_D, DS_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.name == "gguf-q8_0"
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == top_k
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{name} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
+    check_file_parity(path, ref, budget, top_k, name, packing="gguf-q8_0")
 
 
 @pytest.mark.parametrize("name", list(DS_CASES))

@@ -14,12 +14,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moetier import LLM
 from moetier.errors import CheckpointError
 from moetier.weights.gguf import open_gguf
-from tests.models.gguf_files import NEW, reference_model, slot_bytes, transformers_gguf
+from tests.models.gguf_files import (
+    check_file_parity,
+    reference_model,
+    slot_bytes,
+    transformers_gguf,
+)
 from tests.models.gguf_hybrid_files import tiny_hybrid_model, write_hybrid_gguf
-from tests.models.parity import PROMPTS, hf_greedy, hf_last_logits, moetier_greedy
 
 # Qwen3.5-MoE (qwen35moe) and Qwen3-Next (qwen3next): written as llama.cpp's converter writes
 # them (tests/models/gguf_hybrid_files.py), Q8_0 experts, F32 non-experts, the byte
@@ -63,18 +66,7 @@ def test_hybrid_parity(hybrid_files: Any, family: str, budget: str) -> None:
     path, ref, _ = hybrid_files[family]
     if budget == "min":
         budget = f"{HYBRID_TOP_K * slot_bytes((T.Q8_0,) * 3, HYBRID_D, HYBRID_I)}B"
-    llm = LLM(str(path), expert_budget=budget, device="cpu", dtype="float32", progress=False)
-    cache = llm.engine.runner.expert_cache
-    assert cache.packing.name == "gguf-q8_0"
-    if budget.endswith("B"):
-        assert llm.engine.runner.tier_plan.device_slots == HYBRID_TOP_K
-    got = moetier_greedy(llm, PROMPTS, NEW)
-    for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy(ref, prompt, NEW), f"{family} {budget}: prompt {prompt}"
-    torch.testing.assert_close(
-        llm.prompt_logits(PROMPTS[0]), hf_last_logits(ref, PROMPTS[0]), rtol=1e-4, atol=1e-4
-    )
-    cache.check_integrity()
+    check_file_parity(path, ref, budget, HYBRID_TOP_K, family, packing="gguf-q8_0")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
