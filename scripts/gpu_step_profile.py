@@ -170,12 +170,16 @@ def main() -> None:
         f"{1e3 * (time.perf_counter() - t0):.1f} ms, "
         f"graph replays {eng.runner.graphs.replays if eng.runner.graphs else 0}"
     )
+    before = eng.runner.stats.save_counts()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(k):
             eng.step()
         torch.cuda.synchronize()
     print(f"{k} decode steps profiled: {1e3 * (time.perf_counter() - t0) / k:.1f} ms a step")
+    after = eng.runner.stats.save_counts()
+    moved = {n: after[n] - before[n] for n in after if after[n] != before[n]}
+    print("offload counters over those steps: " + ", ".join(f"{n}={v:.4g}" for n, v in moved.items()))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
