@@ -8,10 +8,11 @@
 #      uniform routing (now drawn on the device), with MLA's fresh-prompt steps expanded and
 #      absorbed (MLA_EXPANDED_FRESH=1 / 0; MLA_AB and DSV2_PROMPTS pick); then where one 2,048-token prompt
 #      step's host and device time go, expanded (scripts/gpu_step_profile.py --routing uniform);
-#   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): the agent workload at 25 % (6 turns, each
-#      adding a 2,048-token tool result, against fresh requests of the turn's new tokens), then
-#      TTFT of 64 tokens (uniform) and 2,048 tokens (trace) at 100 % and 25 %, then at 25 % with
-#      each entry of Q3_SETS (settings k=v,k=v; e.g. transfer_window=4,stream_eviction=true).
+#   3. Qwen3-30B-A3B (48 layers; SKIP_Q3=1 skips; SKIP_DSV2=1 skips step 2): TTFT of 64 tokens
+#      (uniform) and 2,048 tokens (trace) at 100 % and 25 %, then at 25 % with each entry of
+#      Q3_SETS (settings k=v,k=v; e.g. transfer_window=4,stream_eviction=true), then, with the
+#      time left, the agent workload at 25 % (6 turns, each adding a 2,048-token tool result,
+#      against fresh requests of the turn's new tokens).
 # Results under $OUT: summary.md, targets-results.tar.gz, gpu_targets.log.
 set -uo pipefail
 START=$SECONDS
@@ -58,9 +59,6 @@ if [ "${SKIP_DSV2:-0}" != 1 ] && step dsv2-generate python3 -m moetier bench syn
 fi
 
 if [ "${SKIP_Q3:-0}" != 1 ]; then
-  env OUT="$WORK/agent" DEADLINE=$(($(left) - 10)) AGENT=1 AGENT_LAYERS=48 ROW_KEEP=1 \
-    bash scripts/gpu_rows.sh >/dev/null 2>&1
-  cp "$WORK/agent/summary.md" "$WORK/agent-48.md" 2>/dev/null
   Q=(--synthetic qwen3-30b-a3b --layers 48)
   ttft q3-p64 "${Q[@]}" --expert-budget 100% --routing uniform --input-len 64
   ttft q3-p2048 "${Q[@]}" --expert-budget 100%,25% --routing "trace:$TRACE" --input-len 2048
@@ -69,6 +67,10 @@ if [ "${SKIP_Q3:-0}" != 1 ]; then
     ttft "q3-p2048-${s//[=,]/-}" "${Q[@]}" --expert-budget 25% --routing "trace:$TRACE" \
       --input-len 2048 --set "${s//,/ }"
   done
+  # the agent workload last: it takes what time is left (its checkpoint is the rows')
+  env OUT="$WORK/agent" DEADLINE=$(($(left) - 10)) AGENT=1 AGENT_LAYERS=48 ROW_KEEP=1 \
+    bash scripts/gpu_rows.sh >/dev/null 2>&1
+  cp "$WORK/agent/summary.md" "$WORK/agent-48.md" 2>/dev/null
 fi
 
 summarize "$WORK/tests.log"
