@@ -19,6 +19,7 @@ from moetier.config import (
     KV_CACHE_DTYPES,
     STREAM_COPY_NOW_HELP,
     STREAM_EVICTION_HELP,
+    OffloadConfig,
     format_bytes,
 )
 from moetier.demo.cli import add_demo_parsers
@@ -68,13 +69,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stream-eviction",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=OffloadConfig.stream_eviction,
         help=STREAM_EVICTION_HELP,
     )
     p.add_argument(
         "--stream-copy-now",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=OffloadConfig.stream_copy_now,
         help=STREAM_COPY_NOW_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)

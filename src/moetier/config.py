@@ -133,12 +133,14 @@ class OffloadConfig:
     # every expert of every layer in layer order, so this is Belady's rule there, where LRU
     # evicts the layers ahead (loaded longest ago) that are needed soonest (48 x 128 experts at
     # 25%: 6,144 -> 4,608-4,864 loads a 2,048-token step in replay, bench/results/2026-12-06-
-    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off. Off
-    # by default until `bench gate` on a GPU says it shortens TTFT (replay counts loads only).
-    stream_eviction: bool = False
+    # step-aware-eviction.md). Steps that do not stream use `policy` alone, exactly as off.
+    stream_eviction: bool = True
     # A streamed step's prefetch of the next layer goes on the copy stream at once, whole,
     # rather than chunk by chunk through the pump thread (ExpertCache.prefetch says why).
-    stream_copy_now: bool = False
+    # Both on by default since the H100 ship gates of 2026-12-07 (2,048-token prompts at 25%,
+    # Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, 12 layers): together TTFT -21 to -22% against
+    # both off, TPOT within 2% (bench/results/2026-12-07-s19-stream-defaults-h100.md).
+    stream_copy_now: bool = True
 
     def __post_init__(self) -> None:
         for name in ("stream_eviction", "stream_copy_now"):
@@ -167,11 +169,11 @@ DEVICE_CACHE_HELP = (
 STREAM_EVICTION_HELP = (
     "streamed steps (long prompts, big batches; layer streaming) evict in the step's next-use "
     "order around --policy: layers finished in the step first, then the farthest ahead "
-    "(default: off, --policy alone, until a GPU ship gate has timed it)"
+    "(default: on; --no-stream-eviction: --policy alone)"
 )
 STREAM_COPY_NOW_HELP = (
     "a streamed step's loads of the next layer go on the CUDA copy stream at once, whole, not "
-    "chunk by chunk through the prefetch pump (default: off until a GPU ship gate has timed it)"
+    "chunk by chunk through the prefetch pump (default: on)"
 )
 ROUTING_TRACE_HELP = (
     "a moetier-trace file (moetier record-trace): with --gpu-memory and no --max-num-seqs, the "

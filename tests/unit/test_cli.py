@@ -84,6 +84,25 @@ def test_prefix_caching_flag_reaches_the_engine() -> None:
     assert off.enable_prefix_caching is False
 
 
+@pytest.mark.parametrize("name", ["stream_eviction", "stream_copy_now"])
+def test_stream_flags_default_on_and_turn_off(name: str) -> None:
+    """Streamed steps evict in the step's order and copy at once unless told not to (the H100
+    gates of 2026-12-07), through generate, serve and LLM alike."""
+    import inspect
+
+    from moetier import LLM
+    from moetier.cli import build_parser
+    from moetier.server.cli import _engine_args
+
+    flag = "--no-" + name.replace("_", "-")
+    p = build_parser()
+    assert getattr(p.parse_args(["generate"]), name) is True
+    assert getattr(p.parse_args(["generate", flag]), name) is False
+    assert getattr(_engine_args(p.parse_args(["serve"])), name) is True
+    assert getattr(_engine_args(p.parse_args(["serve", flag])), name) is False
+    assert inspect.signature(LLM).parameters[name].default is True
+
+
 def test_tokenizer_flag_reaches_the_engine() -> None:
     from moetier.cli import build_parser
     from moetier.server.cli import _engine_args

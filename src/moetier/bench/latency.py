@@ -24,6 +24,7 @@ from moetier.bench.belady import belady
 from moetier.bench.measure import ConfigRun, run_budget
 from moetier.bench.routing_override import make_source
 from moetier.bench.trace_prefetch import check_sources, registered
+from moetier.config import OffloadConfig
 from moetier.errors import BudgetError
 from moetier.weights.gguf import is_gguf
 
@@ -335,7 +336,7 @@ def settings_record(
         prefetch=str(s.llm_kwargs.get("prefetch", "off")),
         kv_budget=str(s.llm_kwargs.get("num_kv_blocks", "default (engine's KV bytes)")),
         kv_cache_dtype=str(s.llm_kwargs.get("kv_cache_dtype", "auto")),
-        stream_eviction=bool(s.llm_kwargs.get("stream_eviction", False)),
+        stream_eviction=bool(s.llm_kwargs.get("stream_eviction", OffloadConfig.stream_eviction)),
         synthetic_meta=_synthetic_meta(path),
         sampling="temperature 1.0, per-request seed (seed + prompt index), ignore_eos",
         gpu_busy_source=(

@@ -2,7 +2,7 @@
 
 A policy of the registry in `offload/policy.py` (pure Python, no tensors): `StepAwarePolicy`
 wraps another policy, and `StreamEviction` puts it around the configured policy for the layer
-calls of streamed steps only (`stream_eviction`, off by default until timed on a GPU; the
+calls of streamed steps only (`stream_eviction`, on by default since the GPU ship gate; the
 engine's cache and the replay both use it). `step-lru` in the registry is the wrapper always on,
 around LRU.
 

@@ -24,6 +24,7 @@ from moetier.config import (
     ROUTING_TRACE_HELP,
     STREAM_COPY_NOW_HELP,
     STREAM_EVICTION_HELP,
+    OffloadConfig,
 )
 from moetier.errors import ConfigError
 from moetier.parallel.args import add_parallel_args, parallel_kwargs
@@ -79,13 +80,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--stream-eviction",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=OffloadConfig.stream_eviction,
         help=STREAM_EVICTION_HELP,
     )
     p.add_argument(
         "--stream-copy-now",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=OffloadConfig.stream_copy_now,
         help=STREAM_COPY_NOW_HELP,
     )
     p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetier.config import OffloadConfig
 from moetier.core import SamplingParams
 from moetier.engine.outputs import RequestDelta
 from moetier.errors import ConfigError, MoetierError
@@ -42,8 +43,8 @@ class EngineArgs:
     prefetch: str | None = None
     prefetch_ahead: int = 1
     device_cache: bool = False
-    stream_eviction: bool = False
-    stream_copy_now: bool = False
+    stream_eviction: bool = OffloadConfig.stream_eviction
+    stream_copy_now: bool = OffloadConfig.stream_copy_now
     seed: int = 0
     max_num_seqs: int | None = None  # None: the default, and the memory split may hold fewer
     max_num_batched_tokens: int = 4096
