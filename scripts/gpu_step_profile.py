@@ -179,7 +179,8 @@ def main() -> None:
     print(f"{k} decode steps profiled: {1e3 * (time.perf_counter() - t0) / k:.1f} ms a step")
     after = eng.runner.stats.save_counts()
     moved = {n: after[n] - before[n] for n in after if after[n] != before[n]}
-    print("offload counters over those steps: " + ", ".join(f"{n}={v:.4g}" for n, v in moved.items()))
+    counts = ", ".join(f"{n}={v:.4g}" for n, v in moved.items())
+    print(f"offload counters over those steps: {counts}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
