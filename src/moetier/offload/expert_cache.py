@@ -97,6 +97,7 @@ class ExpertCache:
         self.slots = torch.empty(
             num_slots, self.packing.numel, dtype=self.packing.storage_dtype, device=device
         )
+        self._slot_rows = self.slots.unbind(0)  # one view per slot, made once (miss path)
         self.expert_bytes = self.packing.nbytes
         self.table = SlotTable(num_slots)
         self.policy = make_policy(policy)  # swapped for the step-aware wrapper while streaming
@@ -371,7 +372,7 @@ class ExpertCache:
         if load.direct:
             slot = load.slot
             assert slot is not None
-            fn = lambda: host.read_into(key, self.slots[slot])  # noqa: E731
+            fn = lambda: host.read_into(key, self._slot_rows[slot])  # noqa: E731
         else:
             row = load.row
             assert row is not None
@@ -384,7 +385,7 @@ class ExpertCache:
         assert load.slot is not None and load.row is not None
         after = self.slot_free_event.pop(load.slot, None)
         load.copy = self.transfer.submit(
-            load.key, self.slots[load.slot], self.host.row(load.row), priority, after
+            load.key, self._slot_rows[load.slot], self.host.row(load.row), priority, after
         )
         if load.copy.fully_issued:
             self._copied(load)

@@ -125,6 +125,7 @@ class HostTier:
         self.pool, self.pinned_bytes = alloc_host_rows(
             rows, self.numel, self.packing.storage_dtype, pin
         )
+        self._rows = self.pool.unbind(0)  # one view per row, made once (miss path: no indexing)
         self.index: dict[ExpertKey, int] = {}
         self.key_at: dict[int, ExpertKey] = {}
         self.policy = make_policy("lru")
@@ -155,7 +156,7 @@ class HostTier:
         return row
 
     def row(self, row: int) -> torch.Tensor:
-        return self.pool[row]
+        return self._rows[row]
 
     def claim_row(self, wait: bool = True) -> int | None:
         """A row to read an expert into, evicting the least recently used expert if needed.

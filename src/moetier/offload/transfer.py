@@ -134,14 +134,14 @@ class CopyJob:
     issued_bytes: int = 0
     event: Any | None = None  # completion of everything issued so far
     cancelled: bool = False
+    nbytes: int = field(init=False)  # every chunk's bytes (counted once: the miss path)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(_nbytes(d) for d, _ in self.chunks)
 
     @property
     def fully_issued(self) -> bool:
         return self.issued == len(self.chunks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(d) for d, _ in self.chunks)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -260,7 +260,10 @@ class TransferEngine:
         after = job.after if job.issued == 0 else None
         job.event = self.copier.copy(chunks, after)
         job.issued += len(chunks)
-        job.issued_bytes += sum(_nbytes(d) for d, _ in chunks)
+        if job.fully_issued:  # an on-demand copy is one chunk: no sum
+            job.issued_bytes = job.nbytes
+        else:
+            job.issued_bytes += sum(_nbytes(d) for d, _ in chunks)
 
     def _pump_locked(self) -> int:
         if self._paused:
