@@ -3,7 +3,8 @@
 # BASELINE (k=v settings) on the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes cut to LAYERS layers,
 # seeds 0 and 1 (one synthetic checkpoint per shape), 25 % expert budget, bf16, real-text
 # routing replayed (TRACE), INPUT_LEN-token prompts (64), rule 1 on METRIC (decode; prefill: TTFT), for each batch size in BATCHES, in that order (a gate does not start
-# with less than 30 s before DEADLINE). Tables under $OUT/gate, log $OUT/gpu_gate.log.
+# with less than 30 s before DEADLINE). Results under $OUT: summary.md (every gate's table),
+# gate-results.tar.gz (tables, JSON, logs), gpu_gate.log (the device tool returns 8 files).
 set -uo pipefail
 START=$SECONDS
 OUT=${OUT:-gpu-results}
@@ -28,4 +29,4 @@ for b in $BATCHES; do
     --expert-budget 25% --input-len "${INPUT_LEN:-64}" --output-len 32 --batch-size "$b" \
     --routing "trace:$TRACE" --metric "${METRIC:-decode}" --dtype bfloat16 --out-dir "$WORK" --no-progress
 done
-log "done"
+summarize /dev/null
