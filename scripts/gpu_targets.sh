@@ -26,11 +26,12 @@ TAG=gpu_targets
 source scripts/gpu_steps.sh
 source scripts/gpu_wheels.sh
 
-# ttft NAME ARGS...: one `bench latency` with 8 output tokens (TTFT is the point)
+# ttft NAME ARGS...: one `bench latency` with 8 output tokens (TTFT is the point), WARMUP (1)
+# warm-up requests first
 ttft() {
   local name=$1
   shift
-  step "$name" python3 -m moetier -v bench latency --output-len 8 --seed 0 --warmup 1 \
+  step "$name" python3 -m moetier -v bench latency --output-len 8 --seed 0 --warmup "${WARMUP:-1}" \
     --no-progress --profile-steps 0 --save-result "$WORK/$name.json" "$@"
   [ -f "$WORK/$name.json" ] && python3 - "$WORK/$name.json" >"$WORK/$name.md" <<'PY'
 import json, sys
