@@ -138,7 +138,7 @@ class OffloadConfig:
     # A streamed step's prefetch of the next layer goes on the copy stream at once, whole,
     # rather than chunk by chunk through the pump thread (ExpertCache.prefetch says why).
     # Both on by default since the H100 ship gates of 2026-12-07 (2,048-token prompts at 25%,
-    # Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, 12 layers): together TTFT -21 to -22% against
+    # Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, 12 layers): together TTFT -20 to -22% against
     # both off, TPOT within 2% (bench/results/2026-12-07-s19-stream-defaults-h100.md).
     stream_copy_now: bool = True
 
